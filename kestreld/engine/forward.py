@@ -1,0 +1,130 @@
+"""One forward pass of a Qwen3 / Llama decoder over a chunk of tokens, on the kernels.
+
+Data flow per layer (n tokens of the chunk, positions pos0 .. pos0+n-1):
+
+    x (n, hidden) --rmsnorm--> xn --q8--> Q, K, V --q/k norm, rope--> kv_store -> attention
+      --q8--> wo --> x += ;   x --rmsnorm--> xn --q8--> gate, up --swiglu--> --q8--> down --> x +=
+
+Every buffer is allocated here, once, for the largest chunk; a forward pass allocates
+nothing. Orchestration only: all arithmetic is in `kestreld._kernels`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .arena import KVArena
+from .kernels import K
+from .model import LoadedModel, Q8Matrix
+
+
+def rope_tables(max_pos: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin tables (max_pos, head_dim/2): angle[p, i] = p * theta**(-2i/head_dim)."""
+    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class _Scratch:
+    """Flat buffers sized for `rows` tokens; `get(name, n, k)` is a contiguous (n, k) view."""
+
+    def __init__(self, rows: int, widths: dict, dtypes: dict):
+        self._bufs = {name: np.zeros(rows * w, dtype=dtypes.get(name, np.float32))
+                      for name, w in widths.items()}
+
+    def get(self, name: str, n: int, k: int) -> np.ndarray:
+        return self._bufs[name][: n * k].reshape(n, k)
+
+
+class Transformer:
+    """The model's forward pass; writes K/V into the arena at the positions it computes."""
+
+    def __init__(self, model: LoadedModel, arena: KVArena, max_chunk: int, threads: int):
+        c = model.config
+        self.cfg = c
+        self.w = model.weights
+        self.arena = arena
+        self.max_chunk = max_chunk
+        self.threads = threads
+        self.q_dim = c.n_heads * c.head_dim
+        self.kv_dim = c.n_kv_heads * c.head_dim
+        self.scale = float(1.0 / np.sqrt(c.head_dim))
+        self.cos, self.sin = rope_tables(arena.max_seq, c.head_dim, c.rope_theta)
+        widest = max(c.hidden, self.q_dim, c.ffn)
+        rows = max_chunk
+        self.s = _Scratch(rows, {
+            "x": c.hidden, "xn": c.hidden, "q": self.q_dim, "k": self.kv_dim, "v": self.kv_dim,
+            "att": self.q_dim, "proj": c.hidden, "gate": c.ffn, "up": c.ffn,
+            "xq": widest, "xd": widest // 32,
+        }, {"xq": np.int8})
+        self.logits = np.zeros((1, c.vocab), dtype=np.float32)   # (1, vocab) last position
+        self.ids = np.zeros(max_chunk, dtype=np.int32)
+
+    # ---- small helpers ------------------------------------------------------------
+    def _matmul(self, w: Q8Matrix, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out (n, w.rows) = x (n, w.cols) @ w.T, with x quantized to Q8_0 first."""
+        n, k = x.shape
+        xq = self.s.get("xq", n, k)
+        xd = self.s.get("xd", n, k // 32)
+        K.quantize_q8_0(x, xq, xd, self.threads)
+        K.matmul_q8_0(w.data, xq, xd, out, self.threads)
+        return out
+
+    def _matmul_quantized(self, w: Q8Matrix, n: int, k: int, out: np.ndarray) -> np.ndarray:
+        """Like `_matmul`, reusing the activation quantized by the previous call."""
+        K.matmul_q8_0(w.data, self.s.get("xq", n, k), self.s.get("xd", n, k // 32), out, self.threads)
+        return out
+
+    # ---- the pass -----------------------------------------------------------------
+    def forward(self, ids, pos0: int, logits_out: np.ndarray | None = None) -> np.ndarray:
+        """Run tokens `ids` (n <= max_chunk) at positions pos0.. and store their KV.
+
+        Returns logits of the last token (1, vocab), or fills `logits_out` (n, vocab)
+        with every position's logits when given (tests and diagnostics)."""
+        c, s, t = self.cfg, self.s, self.threads
+        n = len(ids)
+        if not 0 < n <= self.max_chunk:
+            raise ValueError(f"chunk of {n} tokens; 1..{self.max_chunk} allowed")
+        if pos0 + n > self.arena.max_seq:
+            raise ValueError(f"positions up to {pos0 + n} exceed max_seq={self.arena.max_seq}")
+        ids_arr = self.ids[:n]
+        ids_arr[:] = ids
+        x = s.get("x", n, c.hidden)
+        xn = s.get("xn", n, c.hidden)
+        K.dequantize_rows_q8_0(self.w.tok_embd.data, ids_arr, x)
+
+        for li, L in enumerate(self.w.layers):
+            # attention block
+            K.rmsnorm(x, L.attn_norm, c.norm_eps, xn, t)
+            q = self._matmul(L.wq, xn, s.get("q", n, self.q_dim))
+            k = self._matmul_quantized(L.wk, n, c.hidden, s.get("k", n, self.kv_dim))
+            v = self._matmul_quantized(L.wv, n, c.hidden, s.get("v", n, self.kv_dim))
+            if c.qk_norm:
+                qh = q.reshape(n * c.n_heads, c.head_dim)
+                kh = k.reshape(n * c.n_kv_heads, c.head_dim)
+                K.rmsnorm(qh, L.q_norm, c.norm_eps, qh, t)
+                K.rmsnorm(kh, L.k_norm, c.norm_eps, kh, t)
+            q3 = q.reshape(n, c.n_heads, c.head_dim)
+            k3 = k.reshape(n, c.n_kv_heads, c.head_dim)
+            K.rope(q3, self.cos, self.sin, pos0, c.rope_neox, t)
+            K.rope(k3, self.cos, self.sin, pos0, c.rope_neox, t)
+            kq, ks, vq, vs = self.arena.layer(li)
+            K.kv_store(k3, v.reshape(n, c.n_kv_heads, c.head_dim), kq, ks, vq, vs, pos0, t)
+            att = s.get("att", n, self.q_dim)
+            K.attention(q3, kq, ks, vq, vs, pos0, self.scale, self.arena.kv_bs,
+                        att.reshape(n, c.n_heads, c.head_dim), t)
+            proj = self._matmul(L.wo, att, s.get("proj", n, c.hidden))
+            x += proj
+            # feed-forward block
+            K.rmsnorm(x, L.ffn_norm, c.norm_eps, xn, t)
+            gate = self._matmul(L.w_gate, xn, s.get("gate", n, c.ffn))
+            up = self._matmul_quantized(L.w_up, n, c.hidden, s.get("up", n, c.ffn))
+            K.swiglu(gate, up, gate, t)
+            proj = self._matmul(L.w_down, gate, s.get("proj", n, c.hidden))
+            x += proj
+
+        if logits_out is not None:
+            K.rmsnorm(x, self.w.out_norm, c.norm_eps, xn, t)
+            return self._matmul(self.w.output, xn, logits_out)
+        last = xn[n - 1:n]
+        K.rmsnorm(x[n - 1:n], self.w.out_norm, c.norm_eps, last, t)
+        return self._matmul(self.w.output, last, self.logits)

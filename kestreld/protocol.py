@@ -1,0 +1,422 @@
+"""The wire protocol (version 1), shared by the daemon and kestrelctl.
+
+MessagePack-RPC over a Unix stream socket, no extra framing:
+    request      [0, msgid, method, [params-map]]
+    response     [1, msgid, error|nil, result|nil]
+    notification [2, method, [msgid, payload]]     (server -> client, before the response)
+
+This module holds everything both sides must agree on: message kinds, method names,
+limits, the validation of each method's parameters into typed values, the encoders,
+and `FrameReader` (bounded framing of a byte stream into MessagePack objects).
+It imports msgpack and errors only: kestrelctl imports it without the engine or kernels.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import msgpack
+
+from .errors import BadRequest, KestrelError, TooLarge, UnknownMethod
+
+PROTOCOL_VERSION = 1
+DEFAULT_SOCKET = "/run/kestrel/kestreld.sock"
+
+REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
+
+# Methods: generation goes through the scheduler; the rest is answered by the event loop.
+ENGINE_METHODS = ("generate", "chat")
+LOOP_METHODS = ("tokenize", "detokenize", "status", "cancel", "ping")
+METHODS = ENGINE_METHODS + LOOP_METHODS
+
+# Server -> client notifications.
+TOKEN = "token"
+PROGRESS = "progress"
+
+# Limits on what a request may hold (the message size bounds the rest).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20
+SEED_LIMIT = 1 << 64          # seeds are 0 <= seed < 2**64
+
+
+# ---------------------------------------------------------------- typed parameters
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """`generate`: exactly one of prompt / ids. `options` holds the validated sampling
+    options that were given, keyed like SamplingOptions' fields."""
+    prompt: Optional[str]
+    ids: Optional[tuple]
+    options: dict
+    stream: bool
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    """`chat`: messages as ({"role": str, "content": str}, ...)."""
+    messages: tuple
+    enable_thinking: bool
+    options: dict
+    stream: bool
+
+
+@dataclass(frozen=True)
+class TokenizeParams:
+    text: str
+    add_special: bool
+
+
+@dataclass(frozen=True)
+class DetokenizeParams:
+    ids: tuple
+
+
+@dataclass(frozen=True)
+class CancelParams:
+    id: int
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """`status` and `ping`."""
+
+
+Params = Union[GenerateParams, ChatParams, TokenizeParams, DetokenizeParams, CancelParams,
+               NoParams]
+
+
+# ---------------------------------------------------------------- value checks
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(name: str, v, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    if not _is_int(v):
+        raise BadRequest(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise BadRequest(f"{name} must be {bounds}, got {v}")
+    return v
+
+
+def _number(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
+    if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
+        raise BadRequest(f"{name} must be a finite number, got {v!r}")
+    if v < lo or (lo_open and v == lo) or v > hi:
+        left = "(" if lo_open else "["
+        right = "]" if math.isfinite(hi) else ")"
+        raise BadRequest(f"{name} must be in {left}{lo}, {hi}{right}, got {v}")
+    return float(v)
+
+
+def _bool(name: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise BadRequest(f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _str(name: str, v) -> str:
+    if not isinstance(v, str):
+        raise BadRequest(f"{name} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _stop(name: str, v) -> tuple:
+    if not isinstance(v, (list, tuple)):
+        raise BadRequest(f"{name} must be a list of strings, got {type(v).__name__}")
+    if len(v) > MAX_STOP_STRINGS:
+        raise BadRequest(f"{name}: at most {MAX_STOP_STRINGS} strings, got {len(v)}")
+    for s in v:
+        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise BadRequest(f"{name}: each entry must be a string of 1..{MAX_STOP_CHARS} "
+                             f"characters, got {s!r:.60}")
+    return tuple(v)
+
+
+def _ids(name: str, v, vocab_size: int) -> tuple:
+    if not isinstance(v, (list, tuple)):
+        raise BadRequest(f"{name} must be a list of token ids, got {type(v).__name__}")
+    for i in v:
+        if not _is_int(i) or not 0 <= i < vocab_size:
+            raise BadRequest(f"{name}: token ids must be integers in 0..{vocab_size - 1}, "
+                             f"got {i!r}")
+    return tuple(v)
+
+
+def _messages(v) -> tuple:
+    if not isinstance(v, (list, tuple)) or not v:
+        raise BadRequest("messages must be a non-empty list of {role, content} maps")
+    out = []
+    for n, m in enumerate(v):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            keys = sorted(m) if isinstance(m, dict) else type(m).__name__
+            raise BadRequest(f"messages[{n}] must be a map with exactly role and content, "
+                             f"got {keys}")
+        out.append({"role": _str(f"messages[{n}].role", m["role"]),
+                    "content": _str(f"messages[{n}].content", m["content"])})
+    return tuple(out)
+
+
+# Sampling options of generate/chat: name -> check returning the typed value.
+OPTION_CHECKS = {
+    "max_tokens": lambda v: _int("max_tokens", v, lo=1),
+    "temperature": lambda v: _number("temperature", v, 0.0),
+    "top_k": lambda v: _int("top_k", v, lo=0),
+    "top_p": lambda v: _number("top_p", v, 0.0, 1.0, lo_open=True),
+    "min_p": lambda v: _number("min_p", v, 0.0, 1.0),
+    "repeat_penalty": lambda v: _number("repeat_penalty", v, 0.0, lo_open=True),
+    "seed": lambda v: _int("seed", v, lo=0, hi=SEED_LIMIT - 1),
+    "stop": lambda v: _stop("stop", v),
+    "ignore_eos": lambda v: _bool("ignore_eos", v),
+    "logprobs": lambda v: _int("logprobs", v, lo=0, hi=MAX_LOGPROBS),
+}
+
+_FIELDS = {  # method -> its own parameter names (besides the options of generate/chat)
+    "generate": ("prompt", "ids", "stream"),
+    "chat": ("messages", "enable_thinking", "stream"),
+    "tokenize": ("text", "add_special"),
+    "detokenize": ("ids",),
+    "cancel": ("id",),
+    "status": (),
+    "ping": (),
+}
+
+
+def _params_map(method: str, params) -> dict:
+    """Kestrel methods take one map (or nothing) in the params array."""
+    if params is None or params == []:
+        return {}
+    if isinstance(params, list) and len(params) == 1 and isinstance(params[0], dict):
+        params = params[0]
+    if not isinstance(params, dict):
+        raise BadRequest(f"{method}: params must be an array holding one map")
+    allowed = set(_FIELDS[method]) | (set(OPTION_CHECKS) if method in ENGINE_METHODS else set())
+    unknown = sorted(str(k) for k in params if k not in allowed)
+    if unknown:
+        raise BadRequest(f"{method}: unknown parameter(s) {', '.join(unknown)}; "
+                         f"allowed: {', '.join(sorted(allowed)) or 'none'}")
+    return params
+
+
+def _options(p: dict) -> dict:
+    return {k: OPTION_CHECKS[k](p[k]) for k in OPTION_CHECKS if k in p}
+
+
+def validate_params(method: str, params, vocab_size: int) -> Params:
+    """Check a request's params against `method`'s schema; return the typed value.
+
+    Raises UnknownMethod for a method not in METHODS and BadRequest (naming the field, the
+    limit and the value) for anything else wrong. `vocab_size` bounds token ids."""
+    if method not in METHODS:
+        raise UnknownMethod(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
+    p = _params_map(method, params)
+    if method == "generate":
+        has_prompt, has_ids = "prompt" in p, "ids" in p
+        if has_prompt == has_ids:
+            raise BadRequest("generate needs exactly one of prompt (str) or ids ([int])")
+        return GenerateParams(
+            prompt=_str("prompt", p["prompt"]) if has_prompt else None,
+            ids=_ids("ids", p["ids"], vocab_size) if has_ids else None,
+            options=_options(p), stream=_bool("stream", p.get("stream", True)))
+    if method == "chat":
+        if "messages" not in p:
+            raise BadRequest("chat needs messages ([{role, content}])")
+        return ChatParams(messages=_messages(p["messages"]),
+                          enable_thinking=_bool("enable_thinking", p.get("enable_thinking", False)),
+                          options=_options(p), stream=_bool("stream", p.get("stream", True)))
+    if method == "tokenize":
+        if "text" not in p:
+            raise BadRequest("tokenize needs text (str)")
+        return TokenizeParams(_str("text", p["text"]),
+                              _bool("add_special", p.get("add_special", False)))
+    if method == "detokenize":
+        if "ids" not in p:
+            raise BadRequest("detokenize needs ids ([int])")
+        return DetokenizeParams(_ids("ids", p["ids"], vocab_size))
+    if method == "cancel":
+        if "id" not in p:
+            raise BadRequest("cancel needs id (the msgid of a request on this connection)")
+        return CancelParams(_int("id", p["id"]))
+    return NoParams()
+
+
+# ---------------------------------------------------------------- messages
+
+@dataclass(frozen=True)
+class Request:
+    msgid: int
+    method: str
+    params: object
+
+
+@dataclass(frozen=True)
+class Response:
+    msgid: int
+    error: Optional[dict]
+    result: object
+
+
+@dataclass(frozen=True)
+class Notification:
+    method: str
+    params: object
+
+
+Message = Union[Request, Response, Notification]
+
+
+def _method_name(v) -> str:
+    """Method names may arrive as MessagePack str or bin."""
+    if isinstance(v, bytes):
+        try:
+            return v.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest("method name is not UTF-8") from None
+    if isinstance(v, str):
+        return v
+    raise BadRequest(f"method name must be a string, got {type(v).__name__}")
+
+
+def decode_message(obj) -> Message:
+    """Classify one decoded MessagePack object; BadRequest if it is no MessagePack-RPC
+    message (the sender then gets an error where `msgid_of` finds a msgid, and is closed)."""
+    if not isinstance(obj, (list, tuple)) or not obj or not _is_int(obj[0]):
+        raise BadRequest("not a MessagePack-RPC message: expected an array starting with 0, 1 or 2")
+    kind = obj[0]
+    if kind == REQUEST and len(obj) == 4 and _is_int(obj[1]):
+        return Request(obj[1], _method_name(obj[2]), obj[3])
+    if kind == RESPONSE and len(obj) == 4 and _is_int(obj[1]):
+        return Response(obj[1], obj[2], obj[3])
+    if kind == NOTIFICATION and len(obj) == 3:
+        return Notification(_method_name(obj[1]), obj[2])
+    raise BadRequest(f"malformed MessagePack-RPC message of type {kind} with {len(obj)} elements")
+
+
+def msgid_of(obj) -> Optional[int]:
+    """The msgid of something that looks like a request, else None."""
+    if isinstance(obj, (list, tuple)) and len(obj) >= 2 and obj[0] == REQUEST and _is_int(obj[1]):
+        return obj[1]
+    return None
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def encode_request(msgid: int, method: str, params: Optional[dict] = None) -> bytes:
+    return pack([REQUEST, msgid, method, [] if params is None else [params]])
+
+
+def encode_response(msgid: int, error: Optional[dict], result) -> bytes:
+    return pack([RESPONSE, msgid, error, result])
+
+
+def encode_notification(method: str, msgid: int, payload: dict) -> bytes:
+    return pack([NOTIFICATION, method, [msgid, payload]])
+
+
+# ---------------------------------------------------------------- framing
+
+@dataclass(frozen=True)
+class FrameError:
+    """The stream cannot go on: `error` for the peer (reply where `msgid` is known), then close."""
+    error: KestrelError
+    msgid: Optional[int]
+
+
+_HEAD_BYTES = 32   # enough of a message's start to read [0, msgid, ...]
+
+
+def _msgid_from_head(head: bytes) -> Optional[int]:
+    u = msgpack.Unpacker(raw=False)
+    u.feed(head)
+    try:
+        if u.read_array_header() < 2 or u.unpack() != REQUEST:
+            return None
+        mid = u.unpack()
+    except Exception:       # any malformed or truncated start: no msgid to answer to
+        return None
+    return mid if _is_int(mid) else None
+
+
+class FrameReader:
+    """Splits a byte stream into MessagePack objects; no message may exceed `max_bytes`.
+
+    `feed(chunk)` (chunks of at most `max_chunk` bytes) returns the objects completed,
+    ending with a `FrameError` when the stream is malformed or a message too large; the
+    reader is then dead. A too-large message is refused as soon as its first `max_bytes`
+    have arrived, with its msgid read from its first bytes. Not thread-safe."""
+
+    def __init__(self, max_bytes: int, max_chunk: int = 1 << 16):
+        self.max_bytes = max_bytes
+        self.max_chunk = max_chunk
+        # The buffer holds at most one partial message plus one chunk.
+        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max_bytes + max_chunk)
+        self._fed = 0           # bytes fed so far
+        self._start = 0         # stream offset where the current message begins
+        self._head = b""        # first bytes of the current message
+        self.dead = False
+
+    def feed(self, chunk: bytes) -> list:
+        if self.dead:
+            return []
+        if len(chunk) > self.max_chunk:
+            raise ValueError(f"chunk of {len(chunk)} bytes > max_chunk {self.max_chunk}")
+        self._unpacker.feed(chunk)
+        self._fed += len(chunk)
+        out: list = []
+        try:
+            for obj in self._unpacker:
+                end = self._unpacker.tell()
+                if end - self._start > self.max_bytes:
+                    return self._fail(out, self._too_large(end - self._start), msgid_of(obj))
+                out.append(obj)
+                self._start = end
+        except Exception as e:  # msgpack raises several types for malformed data
+            return self._fail(out, BadRequest(f"malformed MessagePack data: {e}"),
+                              _msgid_from_head(self._head_after(chunk)))
+        self._head = self._head_after(chunk)
+        pending = self._fed - self._start
+        if pending > self.max_bytes:
+            return self._fail(out, self._too_large(pending, partial=True), _msgid_from_head(self._head))
+        return out
+
+    def _head_after(self, chunk: bytes) -> bytes:
+        """The first bytes of the message that begins at `self._start`."""
+        pending = self._fed - self._start
+        if pending <= len(chunk):            # it began inside this chunk
+            return bytes(chunk[len(chunk) - pending:][:_HEAD_BYTES])
+        return self._head + bytes(chunk[:_HEAD_BYTES - len(self._head)])
+
+    def _too_large(self, size: int, partial: bool = False) -> TooLarge:
+        more = "more than " if partial else ""
+        return TooLarge(f"message of {more}{size} bytes exceeds the limit of {self.max_bytes} bytes")
+
+    def _fail(self, out: list, error: KestrelError, msgid: Optional[int]) -> list:
+        self.dead = True
+        out.append(FrameError(error, msgid))
+        return out
+
+
+# ---------------------------------------------------------------- results
+
+def completion_result(c, queue_ms: float, ttft_ms: float) -> dict:
+    """The wire completion map of an engine Completion (see PROTOCOL.md)."""
+    prefill_s, decode_s = c.prefill_ms / 1000.0, c.decode_ms / 1000.0
+    out = {
+        "text": c.text,
+        "ids": list(c.ids),
+        "finish_reason": c.finish_reason,
+        "usage": {"prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
+                  "prefill_tokens": c.prefill_tokens, "completion_tokens": c.completion_tokens},
+        "timings": {"queue_ms": round(queue_ms, 3), "prefill_ms": round(c.prefill_ms, 3),
+                    "decode_ms": round(c.decode_ms, 3), "ttft_ms": round(ttft_ms, 3),
+                    "prefill_tok_s": round(c.prefill_tokens / prefill_s, 2) if prefill_s > 0 else 0.0,
+                    "decode_tok_s": round(c.completion_tokens / decode_s, 2) if decode_s > 0 else 0.0},
+    }
+    if c.logprobs is not None:
+        out["logprobs"] = c.logprobs
+    return out

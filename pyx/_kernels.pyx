@@ -1,0 +1,31 @@
+# cython: language_level=3
+# (boundscheck, wraparound, initializedcheck, cdivision: set by setup.py, on under KESTREL_DEBUG=1)
+"""Kestrel's compute kernels: Q8_0 matmul, norms, RoPE, SwiGLU, int8 KV store, attention.
+
+Every function takes C-contiguous numpy arrays (float = float32), checks their shapes and
+raises ValueError on a mismatch, then computes with the GIL released on `nthreads` OpenMP
+threads. Results do not depend on `nthreads`. The C (pyx/ks_*.h) holds the SIMD paths;
+`simd_path()` says which one this build uses, and `matmul_q8_0_plain` always takes the
+portable path, which the SIMD one matches bit for bit.
+"""
+from libc.stdint cimport int8_t, uint8_t, int32_t, int64_t
+from libc.stdlib cimport malloc, free
+from libc.math cimport sqrtf
+from cython.parallel cimport prange, threadid
+from ks_kernels cimport *
+
+
+def simd_path():
+    """Which compute path this build uses: "avx2", "neon-dotprod", "neon" or "plain"."""
+    return ks_simd_path().decode()
+
+
+cdef int _check_threads(int nthreads) except -1:
+    if nthreads < 1:
+        raise ValueError(f"nthreads must be >= 1, got {nthreads}")
+    return 0
+
+
+include "matmul_q8.pxi"
+include "elementwise.pxi"
+include "attention.pxi"

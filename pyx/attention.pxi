@@ -1,0 +1,109 @@
+# The int8 KV cache of one layer and causal attention over it (ks_attention.h).
+# Layer layout: kq, vq (n_kv, max_seq, hd) int8; ks, vs (n_kv, max_seq) f32 scales.
+
+cdef int _check_kv_layer(const int8_t[:, :, ::1] kq, const float[:, ::1] ks,
+                         const int8_t[:, :, ::1] vq, const float[:, ::1] vs, str what) except -1:
+    if (vq.shape[0] != kq.shape[0] or vq.shape[1] != kq.shape[1] or vq.shape[2] != kq.shape[2]):
+        raise ValueError(f"{what}: kq and vq must have the same shape, got ({kq.shape[0]}, "
+                         f"{kq.shape[1]}, {kq.shape[2]}) and ({vq.shape[0]}, {vq.shape[1]}, {vq.shape[2]})")
+    for name, s in (("ks", ks), ("vs", vs)):
+        if s.shape[0] != kq.shape[0] or s.shape[1] != kq.shape[1]:
+            raise ValueError(f"{what}: {name} must be (n_kv, max_seq) = ({kq.shape[0]}, "
+                             f"{kq.shape[1]}), got ({s.shape[0]}, {s.shape[1]})")
+    return 0
+
+
+def kv_store(const float[:, :, ::1] k, const float[:, :, ::1] v, int8_t[:, :, ::1] kq,
+             float[:, ::1] ks, int8_t[:, :, ::1] vq, float[:, ::1] vs, int pos0, int nthreads):
+    """Stores k, v (n, n_kv, hd) at positions pos0 .. pos0+n-1 of one layer's int8 KV:
+    kq[h, pos0+t] = roundf(k[t, h] / s), s = absmax/127 (0 -> all 0), ks[h, pos0+t] = s; same for v."""
+    cdef Py_ssize_t n = k.shape[0], n_kv = k.shape[1], hd = k.shape[2], it, t, h
+    _check_threads(nthreads)
+    _check_kv_layer(kq, ks, vq, vs, "kv_store")
+    if v.shape[0] != n or v.shape[1] != n_kv or v.shape[2] != hd:
+        raise ValueError(f"kv_store: v must be ({n}, {n_kv}, {hd}) like k, "
+                         f"got ({v.shape[0]}, {v.shape[1]}, {v.shape[2]})")
+    if kq.shape[0] != n_kv or kq.shape[2] != hd:
+        raise ValueError(f"kv_store: the KV layer has {kq.shape[0]} heads of {kq.shape[2]}, "
+                         f"k has {n_kv} of {hd}")
+    if pos0 < 0 or pos0 + n > kq.shape[1]:
+        raise ValueError(f"kv_store: positions {pos0}..{pos0 + n - 1} do not fit "
+                         f"max_seq={kq.shape[1]}")
+    if n == 0 or n_kv == 0 or hd == 0:
+        return
+    for it in prange(n * n_kv, nogil=True, num_threads=nthreads, schedule="static"):
+        t = it // n_kv
+        h = it % n_kv
+        ks[h, pos0 + t] = ks_quantize_head(&k[t, h, 0], &kq[h, pos0 + t, 0], <int>hd)
+        vs[h, pos0 + t] = ks_quantize_head(&v[t, h, 0], &vq[h, pos0 + t, 0], <int>hd)
+
+
+def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[:, ::1] ks,
+              const int8_t[:, :, ::1] vq, const float[:, ::1] vs, int pos0, float scale,
+              int kv_bs, float[:, :, ::1] out, int nthreads):
+    """Causal GQA attention of q (n, n_heads, hd), the queries at positions pos0 .. pos0+n-1,
+    over one layer's int8 KV (keys 0 .. pos0+t for query t, already stored):
+    out (n, n_heads, hd) = softmax(scale * q . k_j) . v_j, k_j = ks*kq, v_j = vs*vq, with query
+    head h reading KV head h // (n_heads // n_kv). Keys go in blocks of kv_bs (a power of two
+    >= 16) through an online softmax. Work items: (8-token tile, KV head) in prefill;
+    (KV head, key split) in decode (n == 1), merged per head afterwards."""
+    cdef Py_ssize_t n = q.shape[0], n_heads = q.shape[1], hd = q.shape[2]
+    cdef Py_ssize_t n_kv = kq.shape[0], max_seq = kq.shape[1]
+    cdef Py_ssize_t G, it, n_tiles, n_items, t0, split, n_split
+    cdef int64_t scratch_floats, part_floats
+    cdef float *scratch = NULL
+    cdef float *parts = NULL
+    _check_threads(nthreads)
+    _check_kv_layer(kq, ks, vq, vs, "attention")
+    if kq.shape[2] != hd:
+        raise ValueError(f"attention: q has head_dim {hd}, the KV layer {kq.shape[2]}")
+    if n_kv == 0 or n_heads % n_kv:
+        raise ValueError(f"attention: n_heads={n_heads} is not a multiple of n_kv={n_kv}")
+    if hd == 0 or hd % KS_ATTN_STRIP:
+        raise ValueError(f"attention: head_dim must be a positive multiple of {KS_ATTN_STRIP}, got {hd}")
+    if kv_bs < KS_ATTN_STRIP or kv_bs & (kv_bs - 1):
+        raise ValueError(f"attention: kv_bs must be a power of two >= {KS_ATTN_STRIP}, got {kv_bs}")
+    if pos0 < 0 or pos0 + n > max_seq:
+        raise ValueError(f"attention: positions {pos0}..{pos0 + n - 1} do not fit max_seq={max_seq}")
+    if out.shape[0] != n or out.shape[1] != n_heads or out.shape[2] != hd:
+        raise ValueError(f"attention: out must be ({n}, {n_heads}, {hd}) like q, "
+                         f"got ({out.shape[0]}, {out.shape[1]}, {out.shape[2]})")
+    if n == 0 or n_heads == 0:
+        return
+    G = n_heads // n_kv
+    try:
+        if n == 1:
+            split = ks_attn_split_len(pos0 + 1, kv_bs)
+            n_split = (pos0 + split) // split
+            scratch_floats = ks_attn_scratch_floats(<int>G, <int>hd, kv_bs)
+            part_floats = ks_attn_part_floats(<int>G, <int>hd)
+            parts = <float *>malloc(n_kv * n_split * part_floats * sizeof(float))
+        else:
+            scratch_floats = ks_attn_scratch_floats(<int>(KS_ATTN_TOKENS * G), <int>hd, kv_bs)
+        scratch = <float *>malloc(nthreads * scratch_floats * sizeof(float))
+        if scratch == NULL or (n == 1 and parts == NULL):
+            raise MemoryError("attention: no memory for the scratch buffers")
+        if n == 1:
+            for it in prange(n_kv * n_split, nogil=True, num_threads=nthreads, schedule="static"):
+                ks_attn_decode_item(&q[0, 0, 0], &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0], &vs[0, 0],
+                                    parts + it * part_floats, <int>n_heads, <int>n_kv, <int>hd,
+                                    <int>max_seq, pos0, scale, kv_bs, <int>split,
+                                    <int>(it % n_split), <int>(it // n_split),
+                                    scratch + threadid() * scratch_floats)
+            for it in prange(n_heads, nogil=True, num_threads=nthreads, schedule="static"):
+                ks_attn_decode_merge(parts, &out[0, 0, 0], <int>n_heads, <int>n_kv, <int>hd,
+                                     <int>n_split, <int>it)
+        else:
+            # causal: later tiles see more keys, so they are handed out first
+            n_tiles = (n + KS_ATTN_TOKENS - 1) // KS_ATTN_TOKENS
+            n_items = n_tiles * n_kv
+            for it in prange(n_items, nogil=True, num_threads=nthreads, schedule="dynamic"):
+                t0 = (n_tiles - 1 - it // n_kv) * KS_ATTN_TOKENS
+                ks_attn_prefill_item(&q[0, 0, 0], &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0], &vs[0, 0],
+                                     &out[0, 0, 0], <int>n_heads, <int>n_kv, <int>hd,
+                                     <int>max_seq, pos0, scale, kv_bs, <int>t0,
+                                     <int>min(n, t0 + KS_ATTN_TOKENS), <int>(it % n_kv),
+                                     scratch + threadid() * scratch_floats)
+    finally:
+        free(scratch)
+        free(parts)

@@ -1,0 +1,197 @@
+/* Kestrel kernels: scalar helpers shared by every kernel family (no Python here).
+ *
+ * Which SIMD path a build takes is decided once, here, from the compiler's target macros:
+ *   KS_AVX2       x86-64 with AVX2 (setup.py passes -mavx2 -mfma -mf16c)
+ *   KS_NEON_DOT   aarch64 with the sdot instruction (vdotq_s32, Cortex-A76 and later)
+ *   KS_NEON       aarch64 without it
+ * and the plain C path is always compiled too (it is the reference the SIMD paths must match
+ * bit for bit, and the only path elsewhere).
+ */
+#ifndef KS_COMMON_H
+#define KS_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#  include <immintrin.h>
+#endif
+#if defined(__AVX2__)
+#  define KS_AVX2 1
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#  include <arm_neon.h>
+#  if defined(__ARM_FEATURE_DOTPROD)
+#    define KS_NEON_DOT 1
+#  else
+#    define KS_NEON 1
+#  endif
+#endif
+
+/* acc + a*b with the one rounding every path uses. Where the CPU has FMA, the plain path
+ * calls fmaf (inlined to one instruction) and the SIMD paths use vector FMA; where it has
+ * not, nobody fuses. Writing it out keeps -ffp-contract from deciding for us. */
+#if defined(__FMA__) || defined(__aarch64__)
+#  define KS_HAS_FMA 1
+#  define KS_FMADD(a, b, acc) fmaf((a), (b), (acc))
+#else
+#  define KS_FMADD(a, b, acc) ((a) * (b) + (acc))
+#endif
+
+static inline const char *ks_simd_path(void)
+{
+#if defined(KS_AVX2)
+    return "avx2";
+#elif defined(KS_NEON_DOT)
+    return "neon-dotprod";
+#elif defined(KS_NEON)
+    return "neon";
+#else
+    return "plain";
+#endif
+}
+
+/* IEEE half -> float, exact (every half is a float). Portable bit manipulation. */
+static inline float ks_fp16_to_f32_plain(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {                 /* inf / nan */
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {              /* normal */
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {              /* +-0 */
+        bits = sign;
+    } else {                            /* subnormal: value = man * 2^-24 */
+        float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static inline uint16_t ks_load_u16le(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+/* The hardware conversion where there is one; same value as the plain one. */
+static inline float ks_fp16_to_f32(uint16_t h)
+{
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+#else
+    return ks_fp16_to_f32_plain(h);
+#endif
+}
+
+/* roundf (halves away from zero) without a libm call, so loops over it vectorize:
+ * x - trunc(x) is exact for every float, so the test against 0.5 is exact too. */
+static inline float ks_round_half_away(float x)
+{
+    float t = truncf(x);
+    return fabsf(x - t) >= 0.5f ? t + copysignf(1.0f, x) : t;
+}
+
+/* ---- 8 floats as one value: GCC/Clang vector extensions, lowered to one AVX2 register or
+ * two NEON registers (two SSE registers on a plain x86-64 build). Hot float loops use these
+ * rather than hoping the auto-vectorizer picks the right loop. ---- */
+#if defined(__GNUC__) && !defined(__clang__)
+#  pragma GCC diagnostic ignored "-Wpsabi"   /* ks_v8 only passes between static inline functions */
+#endif
+typedef float ks_v8 __attribute__((vector_size(32)));
+typedef int32_t ks_v8i __attribute__((vector_size(32)));
+typedef float ks_v8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+
+#if defined(__clang__)
+#  define KS_SHUFFLE2(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#else
+#  define KS_SHUFFLE2(a, b, ...) __builtin_shuffle((a), (b), (ks_v8i){__VA_ARGS__})
+#endif
+
+static inline ks_v8 ks_v8_load(const float *p) { return *(const ks_v8_unaligned *)p; }
+static inline void ks_v8_store(float *p, ks_v8 v) { *(ks_v8_unaligned *)p = v; }
+static inline ks_v8 ks_v8_set1(float x) { return (ks_v8){x, x, x, x, x, x, x, x}; }
+
+/* mask ? a : b, lane by lane (mask lanes are all ones or zero, as comparisons give) */
+static inline ks_v8 ks_v8_select(ks_v8i mask, ks_v8 a, ks_v8 b)
+{
+    return (ks_v8)((mask & (ks_v8i)a) | (~mask & (ks_v8i)b));
+}
+
+static inline ks_v8 ks_v8_max(ks_v8 a, ks_v8 b) { return ks_v8_select(a > b, a, b); }
+
+static inline float ks_v8_hmax(ks_v8 v)
+{
+    float r = v[0];
+    for (int u = 1; u < 8; u++)
+        r = v[u] > r ? v[u] : r;
+    return r;
+}
+
+static inline float ks_v8_hsum(ks_v8 v)
+{
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* lane k of the result = the sum of the lanes of p[k]: three rounds of pairwise adds */
+static inline ks_v8 ks_v8_hsum8(const ks_v8 p[8])
+{
+    ks_v8 t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = KS_SHUFFLE2(p[2 * i], p[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14)
+             + KS_SHUFFLE2(p[2 * i], p[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        u[i] = KS_SHUFFLE2(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + KS_SHUFFLE2(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return KS_SHUFFLE2(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11)
+         + KS_SHUFFLE2(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* exp(x) for softmax weights and SiLU: Cephes polynomial, about 2 ulp on [-87, 88], exactly 0
+ * below -87 (and for -inf), exp(88) above 88. */
+static inline ks_v8 ks_v8_exp(ks_v8 x)
+{
+    const ks_v8 hi = ks_v8_set1(88.0f), lo = ks_v8_set1(-87.0f);
+    ks_v8 xc = ks_v8_select(x < lo, lo, x);
+    xc = ks_v8_select(xc > hi, hi, xc);
+    /* n = round(x / ln2) by the 1.5 * 2^23 trick */
+    const ks_v8 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const ks_v8 r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+    ks_v8 p = ks_v8_set1(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const ks_v8i e = (__builtin_convertvector(n, ks_v8i) + 127) << 23;
+    return ks_v8_select(x < lo, ks_v8_set1(0.0f), p * (ks_v8)e);
+}
+
+/* out = gate * sigmoid(gate) * up over n floats (out may be gate). */
+static inline void ks_swiglu(const float *gate, const float *up, float *out, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const ks_v8 g = ks_v8_load(gate + i);
+        ks_v8_store(out + i, g / (1.0f + ks_v8_exp(-g)) * ks_v8_load(up + i));
+    }
+    if (i < n) {                        /* the tail through an 8-float buffer, same formula */
+        float g[8] = {0}, u[8] = {0}, o[8];
+        memcpy(g, gate + i, sizeof(float) * (n - i));
+        memcpy(u, up + i, sizeof(float) * (n - i));
+        ks_swiglu(g, u, o, 8);
+        memcpy(out + i, o, sizeof(float) * (n - i));
+    }
+}
+
+#endif /* KS_COMMON_H */

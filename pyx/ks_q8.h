@@ -1,0 +1,269 @@
+/* Kestrel kernels: Q8_0 quantization and the Q8_0 x Q8_0 matrix product (no Python here).
+ *
+ * Q8_0 (GGUF layout): a row of k values is k/32 blocks of 34 bytes, fp16 scale d (little
+ * endian) then 32 int8 q; value = d * q. Activations are quantized to the same blocks but keep
+ * their scale as float32 in a separate array xd (n, k/32).
+ *
+ * The product, for output row r and token t:
+ *     out[t, r] = sum over blocks b, in order, of  isum(r, t, b) * (d_w[r, b] * xd[t, b])
+ * with isum the exact int32 sum of the 32 products and one fused multiply-add per block
+ * (KS_FMADD). Every path computes exactly these float operations in this order, so the SIMD
+ * paths are bit-identical to the plain one; they differ only in how isum is computed and in
+ * computing 8 (row, token) pairs at once, lane by lane.
+ */
+#ifndef KS_Q8_H
+#define KS_Q8_H
+
+#include "ks_common.h"
+
+#define KS_QK 32         /* values per block */
+#define KS_QBLOCK 34     /* bytes per weight block */
+
+/* ---- quantization (one path: it is cheap next to the product) ---------------------------- */
+
+/* x (k) -> q (k) int8, d (k/32): llama.cpp quantize_row_q8_0_ref, with a float32 scale. */
+static inline void ks_quantize_row_q8_0(const float *restrict x, int8_t *restrict q,
+                                        float *restrict d, int k)
+{
+    for (int b = 0; b < k / KS_QK; b++) {
+        const float *xb = x + b * KS_QK;
+        float amax = 0.0f;
+        for (int j = 0; j < KS_QK; j++)
+            amax = fmaxf(amax, fabsf(xb[j]));
+        const float db = amax / 127.0f;
+        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        for (int j = 0; j < KS_QK; j++)
+            q[b * KS_QK + j] = (int8_t)ks_round_half_away(xb[j] * id);
+        d[b] = db;
+    }
+}
+
+/* One Q8_0 weight row (k values) -> float. */
+static inline void ks_dequantize_row_q8_0(const uint8_t *restrict w, float *restrict out, int k)
+{
+    for (int b = 0; b < k / KS_QK; b++) {
+        const uint8_t *blk = w + b * KS_QBLOCK;
+        const float d = ks_fp16_to_f32(ks_load_u16le(blk));
+        const int8_t *q = (const int8_t *)(blk + 2);
+        for (int j = 0; j < KS_QK; j++)
+            out[b * KS_QK + j] = d * (float)q[j];
+    }
+}
+
+/* ---- the product: plain C reference path ------------------------------------------------- */
+
+static inline int32_t ks_dot_block_plain(const int8_t *restrict w, const int8_t *restrict x)
+{
+    int32_t s = 0;
+    for (int j = 0; j < KS_QK; j++)
+        s += (int32_t)w[j] * (int32_t)x[j];
+    return s;
+}
+
+/* Rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T; w rows are w_stride bytes apart. */
+static void ks_q8_matmul_rows_plain(const uint8_t *w, int64_t w_stride, const int8_t *xq,
+                                    const float *xd, int n, int k, float *out, int m,
+                                    int r0, int r1)
+{
+    const int nb = k / KS_QK;
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *wr = w + (int64_t)r * w_stride;
+        for (int t = 0; t < n; t++) {
+            const int8_t *xt = xq + (int64_t)t * k;
+            const float *dt = xd + (int64_t)t * nb;
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *blk = wr + b * KS_QBLOCK;
+                const int32_t isum = ks_dot_block_plain((const int8_t *)(blk + 2), xt + b * KS_QK);
+                const float dw = ks_fp16_to_f32_plain(ks_load_u16le(blk));
+                acc = KS_FMADD((float)isum, dw * dt[b], acc);
+            }
+            out[(int64_t)t * m + r] = acc;
+        }
+    }
+}
+
+/* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ---- */
+
+#if defined(KS_AVX2) || defined(KS_NEON_DOT) || defined(KS_NEON)
+#define KS_HAVE_SIMD_MATMUL 1
+#define KS_INLINE static inline __attribute__((always_inline))
+
+#if defined(KS_AVX2)
+/* 8 int32 partial sums of w . x for one block. aw = |w|, so maddubs gets its unsigned operand
+ * from the weights and any weight byte (even -128) is exact; x is never -128 (our quantizer). */
+KS_INLINE __m256i ks_dot_block_avx2(__m256i aw, __m256i w, __m256i x)
+{
+    const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+/* (a, b) -> adjacent pair sums, interleaved: [a0+a1, b0+b1, a2+a3, b2+b3, ...] */
+KS_INLINE __m256i ks_pairsum_avx2(__m256i a, __m256i b)
+{
+    const __m256i x = _mm256_blend_epi32(a, b, 0xAA);
+    const __m256i y = _mm256_shuffle_epi32(_mm256_blend_epi32(b, a, 0xAA), 0xB1);
+    return _mm256_add_epi32(x, y);
+}
+
+/* lane k of the result = sum of the 8 lanes of p[k]. Blends where possible: the shuffle port
+ * is the bottleneck of the tile (hadd would need twice as many shuffles). */
+KS_INLINE __m256i ks_hsum8x8_avx2(const __m256i p[8])
+{
+    __m256i u[2];
+    for (int h = 0; h < 2; h++) {
+        const __m256i s0 = ks_pairsum_avx2(p[4 * h], p[4 * h + 1]);
+        const __m256i s1 = ks_pairsum_avx2(p[4 * h + 2], p[4 * h + 3]);
+        /* [q0, q1, q2, q3 | same for lanes 4-7] of the 4 vectors p[4h..4h+3] */
+        u[h] = _mm256_add_epi32(_mm256_blend_epi32(s0, s1, 0xCC),
+                                _mm256_shuffle_epi32(_mm256_blend_epi32(s1, s0, 0xCC), 0x4E));
+    }
+    return _mm256_add_epi32(_mm256_blend_epi32(u[0], u[1], 0xF0),
+                            _mm256_permute2x128_si256(u[0], u[1], 0x21));
+}
+#else
+/* 4 int32 partial sums of w . x for one block (two 16-byte halves). */
+KS_INLINE int32x4_t ks_dot_block_neon(int8x16_t w0, int8x16_t w1, int8x16_t x0, int8x16_t x1)
+{
+#if defined(KS_NEON_DOT)
+    return vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, x0), w1, x1);
+#else
+    int32x4_t s = vpaddlq_s16(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)));
+    s = vpadalq_s16(s, vmull_high_s8(w0, x0));
+    s = vpadalq_s16(s, vmull_s8(vget_low_s8(w1), vget_low_s8(x1)));
+    return vpadalq_s16(s, vmull_high_s8(w1, x1));
+#endif
+}
+
+/* lane k of the result = sum of the 4 lanes of p[k] */
+KS_INLINE int32x4_t ks_hsum4x4_neon(int32x4_t p0, int32x4_t p1, int32x4_t p2, int32x4_t p3)
+{
+    return vpaddq_s32(vpaddq_s32(p0, p1), vpaddq_s32(p2, p3));
+}
+#endif
+
+/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2. Rows >= rv
+ * / tokens >= tv repeat the last valid one (their lanes are computed and dropped), so edges
+ * need no second loop. */
+KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_stride, int rv,
+                          const int8_t *x, const float *xd, int tv, int nb, float res[8])
+{
+    const uint8_t *wp[8];
+    const int8_t *xp[8];
+    const float *dp[8];
+    for (int i = 0; i < R; i++)
+        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
+    for (int j = 0; j < T; j++) {
+        const int64_t jt = j < tv ? j : tv - 1;
+        xp[j] = x + jt * nb * KS_QK;
+        dp[j] = xd + jt * nb;
+    }
+#if defined(KS_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i wv[8], aw[8], xv[8], p[8];
+        uint16_t h[8];
+        for (int i = 0; i < R; i++) {
+            wv[i] = _mm256_loadu_si256((const __m256i *)(wp[i] + b * KS_QBLOCK + 2));
+            aw[i] = _mm256_sign_epi8(wv[i], wv[i]);
+            h[i] = ks_load_u16le(wp[i] + b * KS_QBLOCK);
+        }
+        for (int j = 0; j < T; j++)
+            xv[j] = _mm256_loadu_si256((const __m256i *)(xp[j] + b * KS_QK));
+        for (int j = 0; j < T; j++)
+            for (int i = 0; i < R; i++)
+                p[j * R + i] = ks_dot_block_avx2(aw[i], wv[i], xv[j]);
+        const __m256 isum = _mm256_cvtepi32_ps(ks_hsum8x8_avx2(p));
+        const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
+            h[0 % R], h[1 % R], h[2 % R], h[3 % R], h[4 % R], h[5 % R], h[6 % R], h[7 % R]));
+        const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
+                                         dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
+#if defined(KS_HAS_FMA)
+        acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, dx), acc);
+#else
+        acc = _mm256_add_ps(_mm256_mul_ps(isum, _mm256_mul_ps(dw, dx)), acc);
+#endif
+    }
+    _mm256_storeu_ps(res, acc);
+#else /* NEON: lanes 0-3 and 4-7 are two float32x4; R >= 4, so each half has one token */
+    float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
+    for (int b = 0; b < nb; b++) {
+        int8x16_t w0[8], w1[8], x0[8], x1[8];
+        int32x4_t p[8];
+        uint64_t h[8];
+        for (int i = 0; i < R; i++) {
+            const uint8_t *blk = wp[i] + b * KS_QBLOCK;
+            w0[i] = vld1q_s8((const int8_t *)(blk + 2));
+            w1[i] = vld1q_s8((const int8_t *)(blk + 18));
+            h[i] = ks_load_u16le(blk);
+        }
+        for (int j = 0; j < T; j++) {
+            x0[j] = vld1q_s8(xp[j] + b * KS_QK);
+            x1[j] = vld1q_s8(xp[j] + b * KS_QK + 16);
+        }
+        for (int j = 0; j < T; j++)
+            for (int i = 0; i < R; i++)
+                p[j * R + i] = ks_dot_block_neon(w0[i], w1[i], x0[j], x1[j]);
+        const float32x4_t is0 = vcvtq_f32_s32(ks_hsum4x4_neon(p[0], p[1], p[2], p[3]));
+        const float32x4_t is1 = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
+        /* the fp16 scales of lanes 0-3 and 4-7, packed in a register, converted together */
+        const float32x4_t dw0 = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
+            h[0 % R] | h[1 % R] << 16 | h[2 % R] << 32 | h[3 % R] << 48)));
+        const float32x4_t dw1 = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
+            h[4 % R] | h[5 % R] << 16 | h[6 % R] << 32 | h[7 % R] << 48)));
+        acc0 = vfmaq_f32(acc0, is0, vmulq_n_f32(dw0, dp[0 / R][b]));
+        acc1 = vfmaq_f32(acc1, is1, vmulq_n_f32(dw1, dp[4 / R][b]));
+    }
+    vst1q_f32(res, acc0);
+    vst1q_f32(res + 4, acc1);
+#endif
+}
+
+KS_INLINE void ks_q8_store_tile(const int R, const int T, const float res[8], float *out,
+                                int m, int r, int rv, int t, int tv)
+{
+    for (int j = 0; j < T && j < tv; j++)
+        for (int i = 0; i < R && i < rv; i++)
+            out[(int64_t)(t + j) * m + r + i] = res[j * R + i];
+}
+
+#define KS_PREFILL_TOKEN_BLOCK 32   /* tokens whose activations stay in L2 while rows stream */
+
+/* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: tiles
+ * of 4 rows x 2 tokens, so each weight block loaded feeds 2 tokens and each activation block
+ * 4 rows. */
+static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *xq,
+                              const float *xd, int n, int k, float *out, int m, int r0, int r1)
+{
+    const int nb = k / KS_QK;
+    float res[8];
+    if (n == 1) {
+        for (int r = r0; r < r1; r += 8) {
+            const int rv = r1 - r < 8 ? r1 - r : 8;
+            ks_q8_tile(8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, 1, nb, res);
+            ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
+        }
+        return;
+    }
+    for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
+        const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
+        for (int r = r0; r < r1; r += 4) {
+            const int rv = r1 - r < 4 ? r1 - r : 4;
+            for (int t = tb; t < te; t += 2) {
+                const int tv = te - t < 2 ? te - t : 2;
+                ks_q8_tile(4, 2, w + (int64_t)r * w_stride, w_stride, rv,
+                           xq + (int64_t)t * k, xd + (int64_t)t * nb, tv, nb, res);
+                ks_q8_store_tile(4, 2, res, out, m, r, rv, t, tv);
+            }
+        }
+    }
+}
+#else
+static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *xq,
+                              const float *xd, int n, int k, float *out, int m, int r0, int r1)
+{
+    ks_q8_matmul_rows_plain(w, w_stride, xq, xd, n, k, out, m, r0, r1);
+}
+#endif
+
+#endif /* KS_Q8_H */

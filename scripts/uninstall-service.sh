@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Undo install-service.sh (run as root): stop and disable the units, remove them, the
+# venv and models under /opt/kestrel, and the group `kestrel`. /etc/kestrel (your config)
+# stays unless --purge.
+set -euo pipefail
+
+PURGE=no
+case "${1:-}" in
+  --purge) PURGE=yes ;;
+  "") ;;
+  *) echo "usage: $0 [--purge]" >&2; exit 2 ;;
+esac
+say() { echo "uninstall-service: $*"; }
+[ "$(id -u)" = 0 ] || { echo "uninstall-service: run as root" >&2; exit 1; }
+
+if [ -d /run/systemd/system ]; then
+  systemctl disable --now kestreld.socket kestreld.service 2>/dev/null || true
+fi
+rm -f /etc/systemd/system/kestreld.service /etc/systemd/system/kestreld.socket
+if [ -d /run/systemd/system ]; then
+  systemctl daemon-reload
+  systemctl reset-failed kestreld.service kestreld.socket 2>/dev/null || true
+fi
+say "removed the units"
+
+rm -rf /opt/kestrel
+say "removed /opt/kestrel"
+
+if getent group kestrel >/dev/null; then
+  groupdel kestrel
+  say "removed group kestrel"
+fi
+
+if [ "$PURGE" = yes ]; then
+  rm -rf /etc/kestrel
+  say "removed /etc/kestrel"
+elif [ -d /etc/kestrel ]; then
+  say "kept /etc/kestrel (use --purge to remove it)"
+fi

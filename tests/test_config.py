@@ -1,0 +1,58 @@
+"""kestreld.config: priorities (argv > env > file > defaults), parsing, validation."""
+from __future__ import annotations
+
+import pytest
+
+from kestreld import protocol
+from kestreld.config import Config, DEFAULT_SOCKET, load_config, read_config_file
+
+
+def test_defaults_without_file_or_env(tmp_path):
+    empty = tmp_path / "empty.conf"
+    empty.write_text("")
+    cfg = load_config(["--config", str(empty)], environ={})
+    assert cfg.socket == DEFAULT_SOCKET == protocol.DEFAULT_SOCKET
+    assert (cfg.max_seq, cfg.max_queue, cfg.max_message_bytes, cfg.socket_mode) == \
+        (8192, 16, 8 << 20, 0o660)
+    assert (cfg.max_outgoing_bytes, cfg.shutdown_grace, cfg.prefix_kv) == (1 << 20, 10, True)
+
+
+def test_priority_argv_over_env_over_file(tmp_path):
+    conf = tmp_path / "k.conf"
+    conf.write_text("# comment\nmax-seq = 1024\nmax-queue = 3   # trailing\nno-prefix-kv\n"
+                    "socket-mode = 0600\nshutdown-grace = 2\nmax-outgoing-bytes = 4096\n")
+    env = {"KESTREL_MAX_SEQ": "2048", "KESTREL_SOCKET": "/tmp/env.sock"}
+    cfg = load_config(["--config", str(conf), "--max-queue", "5"], environ=env)
+    assert cfg.config_file == str(conf)
+    assert (cfg.max_seq, cfg.max_queue, cfg.socket) == (2048, 5, "/tmp/env.sock")
+    assert (cfg.prefix_kv, cfg.socket_mode, cfg.shutdown_grace, cfg.max_outgoing_bytes) == \
+        (False, 0o600, 2, 4096)
+    cfg = load_config(["--max-seq", "300"], environ={"KESTREL_CONFIG": str(conf), **env})
+    assert (cfg.max_seq, cfg.max_queue) == (300, 3)
+
+
+def test_config_file_errors_name_the_line(tmp_path):
+    conf = tmp_path / "bad.conf"
+    conf.write_text("max-seq = 10\nmax-sequence = 5\n")
+    with pytest.raises(ValueError, match=r"bad.conf:2"):
+        read_config_file(str(conf))
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("max_seq", 0, "max-seq"), ("max_queue", 0, "max-queue"), ("kv_bs", 24, "power of two"),
+    ("threads", -1, "threads"), ("max_outgoing_bytes", 0, "max-outgoing-bytes"),
+    ("shutdown_grace", -1, "shutdown-grace"),
+])
+def test_invalid_values_are_refused(field, value, needle):
+    with pytest.raises(ValueError, match=needle):
+        Config(**{field: value})
+
+
+def test_cli_flags_for_daemon_options(tmp_path):
+    empty = tmp_path / "empty.conf"
+    empty.write_text("")
+    cfg = load_config(["--config", str(empty), "--socket", "/tmp/x.sock", "--max-message-bytes", "1000",
+                       "--max-outgoing-bytes", "2000", "--shutdown-grace", "0",
+                       "--socket-group", "kestrel", "--no-prefix-kv"], environ={})
+    assert (cfg.socket, cfg.max_message_bytes, cfg.max_outgoing_bytes, cfg.shutdown_grace,
+            cfg.socket_group, cfg.prefix_kv) == ("/tmp/x.sock", 1000, 2000, 0, "kestrel", False)

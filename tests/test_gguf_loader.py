@@ -1,0 +1,181 @@
+"""GGUF loading: the real SmolLM2 Q4_1 file, generated Qwen3/Llama files, malformed files."""
+import os
+import struct
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from gguf import quants as gq
+
+from kestreld.engine.loader import load_model
+from kestreld.engine.quant import dequantize_q8_0
+from kestreld.errors import ModelLoadError
+from _loader_models import Spec, random_weights, smollm2_gguf, write_gguf
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(smollm2_gguf())
+
+
+def test_smollm2_hyperparameters(smollm2):
+    c = smollm2.config
+    assert (c.arch, c.n_layers, c.hidden, c.n_heads, c.n_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert (c.head_dim, c.ffn, c.vocab, c.context_length) == (64, 1536, 49152, 8192)
+    assert c.tied_embeddings and smollm2.weights.output is smollm2.weights.tok_embd
+    assert not c.qk_norm and not c.rope_neox          # llama GGUF: permuted Q/K rows
+    assert c.rope_theta == 100000.0 and c.norm_eps == pytest.approx(1e-5)
+    assert c.n_params == 134_515_008                  # SmolLM2-135M
+    assert (smollm2.source_format, smollm2.source_dtype) == ("gguf", "q4_1")
+    assert smollm2.chat_template.startswith("{% for message in messages %}")
+    assert len(smollm2.weights.layers) == 30 and smollm2.weights.layers[0].q_norm is None
+
+
+def test_smollm2_weights_match_the_file(smollm2):
+    reader = smollm2.keepalive[0]
+    tensors = {t.name: t for t in reader.tensors}
+    # token_embd is Q8_0 in this file: used in place, no copy
+    embd = smollm2.weights.tok_embd
+    assert embd.data.shape == (49152, 576 // 32 * 34)
+    assert np.shares_memory(embd.data, reader.data) and not embd.data.flags.owndata
+    # Q4_1 matrices become the Q8_0 of their dequantized values
+    t = tensors["blk.7.ffn_down.weight"]
+    want = gq.dequantize(t.data, T.Q4_1)
+    got = smollm2.weights.layers[7].w_down
+    assert (got.rows, got.cols) == (576, 1536)
+    np.testing.assert_array_equal(got.data, gq.quantize(want, T.Q8_0))
+    np.testing.assert_array_equal(smollm2.weights.layers[3].ffn_norm,
+                                  tensors["blk.3.ffn_norm.weight"].data)
+    assert smollm2.weights.out_norm.dtype == np.float32
+
+
+def _load(tmp_path, spec, weights=None, **kw):
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, spec, random_weights(spec) if weights is None else weights, **kw)
+    return path, load_model(path)
+
+
+def test_qwen3_q8_0_in_place(tmp_path):
+    spec = Spec()                                     # head_dim 32 != 64/4, untied
+    w = random_weights(spec)
+    path, m = _load(tmp_path, spec, w)
+    c = m.config
+    assert (c.arch, c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn) == \
+        ("qwen3", 2, 64, 4, 2, 32, 96)
+    assert (c.vocab, c.rope_theta, c.norm_eps, c.context_length) == (288, 1e6, pytest.approx(1e-6), 4096)
+    assert c.qk_norm and c.rope_neox and not c.tied_embeddings
+    assert c.n_params == sum(a.size for a in w.values())
+    assert m.source_dtype == "q8_0" and m.chat_template.startswith("{% for m in messages %}")
+    mm = m.keepalive[0].data
+    layer = m.weights.layers[1]
+    for q8 in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down,
+               m.weights.tok_embd, m.weights.output):
+        assert np.shares_memory(q8.data, mm) and not q8.data.flags.owndata
+    assert (layer.wq.rows, layer.wq.cols, layer.wo.rows, layer.wo.cols) == (128, 64, 64, 128)
+    np.testing.assert_array_equal(layer.wk.data,
+                                  gq.quantize(w["model.layers.1.self_attn.k_proj.weight"], T.Q8_0))
+    np.testing.assert_array_equal(m.weights.output.data, gq.quantize(w["lm_head.weight"], T.Q8_0))
+    np.testing.assert_array_equal(layer.q_norm, w["model.layers.1.self_attn.q_norm.weight"])
+    np.testing.assert_array_equal(layer.k_norm, w["model.layers.1.self_attn.k_norm.weight"])
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1], ids=lambda q: q.name)
+def test_llama_converted_types_and_defaults(tmp_path, qtype):
+    spec = Spec(arch="llama", head_dim=16, tied=True)
+    w = random_weights(spec)
+    path, m = _load(tmp_path, spec, w, qtype=qtype, minimal_meta=True)
+    c = m.config
+    assert c.head_dim == 16 and c.rope_theta == 10000.0 and c.norm_eps == pytest.approx(1e-5)
+    assert c.tied_embeddings and m.weights.output is m.weights.tok_embd
+    assert not c.rope_neox and not c.qk_norm and m.source_dtype == qtype.name.lower()
+    src = w["model.layers.0.mlp.down_proj.weight"]
+    stored = src.astype(np.float16) if qtype == T.F16 else src if qtype == T.F32 else gq.quantize(src, qtype)
+    want = gq.quantize(gq.dequantize(stored, qtype), T.Q8_0)
+    np.testing.assert_array_equal(m.weights.layers[0].w_down.data, want)
+    assert np.abs(dequantize_q8_0(m.weights.layers[0].w_down.data) - src).max() < 0.03
+
+
+# ---- malformed files ------------------------------------------------------------------
+
+def _fails(path, *words):
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(path))
+    msg = str(e.value)
+    assert str(path) in msg
+    for word in words:
+        assert word in msg, msg
+    # no chained traceback of gguf/numpy/json internals
+    assert e.value.__cause__ is None and (e.value.__context__ is None or e.value.__suppress_context__)
+    return msg
+
+
+def _good_file(tmp_path, **kw):
+    spec = kw.pop("spec", Spec())
+    path = tmp_path / "m.gguf"
+    write_gguf(str(path), spec, kw.pop("weights", None) or random_weights(spec), **kw)
+    return path
+
+
+def test_missing_file(tmp_path):
+    _fails(tmp_path / "nope.gguf", "no such file")
+
+
+def test_truncated_file(tmp_path):
+    path = _good_file(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) * 2 // 3])
+    _fails(path, "truncated")
+    path.write_bytes(data[:12])
+    _fails(path, "truncated")
+    path.write_bytes(data[:3000])                     # inside the metadata
+    _fails(path, "truncated")
+
+
+def test_bad_magic(tmp_path):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGML" + bytes(100))
+    _fails(path, "bad magic", "not a GGUF file")
+    path.write_text("hello, not a model at all\n")
+    _fails(path, "bad magic")
+
+
+def test_unsupported_version(tmp_path):
+    path = _good_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[4:8] = struct.pack("<I", 7)
+    path.write_bytes(bytes(data))
+    _fails(path, "unsupported GGUF version 7", "2, 3")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = _good_file(tmp_path, arch="gemma2")
+    _fails(path, "unsupported architecture 'gemma2'", "llama, qwen3")
+
+
+def test_missing_tensor(tmp_path):
+    path = _good_file(tmp_path, skip=("blk.1.ffn_up.weight",))
+    _fails(path, "missing tensor blk.1.ffn_up.weight")
+
+
+def test_wrong_shape(tmp_path):
+    weights = random_weights(Spec(ffn=96))
+    path = _good_file(tmp_path, spec=Spec(ffn=128), weights=weights)  # metadata says 128
+    _fails(path, "wrong shape for tensor blk.0.ffn_gate.weight", "got (96, 64)", "want (128, 64)")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    path = _good_file(tmp_path, types={"blk.0.attn_v.weight": T.Q5_0})
+    _fails(path, "tensor blk.0.attn_v.weight", "unsupported type Q5_0", "Q8_0", "Q6_K")
+
+
+def test_unsupported_tokenizer_pre(tmp_path):
+    path = _good_file(tmp_path, pre="no-such-pre")
+    _fails(path, "unsupported pre-tokenizer 'no-such-pre'", "qwen2", "smollm")
+
+
+def test_reader_is_kept_alive(tmp_path):
+    path = _good_file(tmp_path)
+    m = load_model(str(path))
+    assert any(isinstance(k, GGUFReader) for k in m.keepalive)
+    assert os.path.samefile(m.keepalive[0].data.filename, path)

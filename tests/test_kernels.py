@@ -1,0 +1,380 @@
+"""The compiled kernels (kestreld._kernels) against plain numpy references.
+
+Integer results (quantization, the int8 KV, embedding rows) must match exactly; the Q8_0
+product must match a float64 evaluation of the same Q8_0 numbers to ~1e-5 and the portable C
+twin bit for bit; float kernels match float64 references within a tolerance and print their
+largest difference. Every kernel also gives the same bits with 1 and 2 threads.
+"""
+import platform
+
+import numpy as np
+import pytest
+
+import kestreld._kernels as K   # build first: python setup.py build_ext --inplace
+
+QK = 32
+
+
+# ---- references ---------------------------------------------------------------------------
+
+def round_half_away(v):
+    """C roundf on float32, exactly: v - trunc(v) is exact in float32."""
+    t = np.trunc(v)
+    return t + np.where(np.abs(v - t) >= np.float32(0.5), np.sign(v), np.float32(0)).astype(v.dtype)
+
+
+def ref_quantize_q8_0(x):
+    """llama.cpp quantize_row_q8_0_ref, float32 scales: (q int8 (n, k), d f32 (n, k/32))."""
+    n, k = x.shape
+    xb = x.reshape(n, k // QK, QK)
+    d = np.abs(xb).max(axis=2) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = round_half_away(xb * inv[:, :, None])
+    return q.astype(np.int8).reshape(n, k), d.astype(np.float32)
+
+
+def make_q8_weights(rng, m, k, special_scales=False):
+    """Random GGUF Q8_0 rows: (bytes (m, k/32*34), q int8 (m, k), d f32 (m, k/32)).
+    q covers the full int8 range, -128 included; special_scales adds fp16 subnormals and 0."""
+    nb = k // QK
+    q = rng.integers(-128, 128, size=(m, k), dtype=np.int8)
+    d16 = (rng.uniform(0.5, 2.0, size=(m, nb)) * 0.01).astype(np.float16)
+    if special_scales:
+        flat = d16.reshape(-1)
+        flat[::7] = np.float16(3e-6)       # subnormal in fp16
+        flat[1::11] = np.float16(0)
+        flat[2::13] = np.float16(-0.02)
+    blocks = np.empty((m, nb, 2 + QK), np.uint8)
+    blocks[:, :, :2] = d16.view(np.uint8).reshape(m, nb, 2)
+    blocks[:, :, 2:] = q.view(np.uint8).reshape(m, nb, QK)
+    return blocks.reshape(m, nb * (2 + QK)), q, d16.astype(np.float32)
+
+
+def ref_matmul_q8_0(wq, wd, xq, xd):
+    """float64 of the same Q8_0 numbers, and the sum of |terms| (the scale of rounding error)."""
+    m, k = wq.shape
+    n = xq.shape[0]
+    isum = np.einsum("rbj,tbj->trb", wq.reshape(m, -1, QK).astype(np.int64),
+                     xq.reshape(n, -1, QK).astype(np.int64))
+    terms = isum * (wd.astype(np.float64)[None, :, :] * xd.astype(np.float64)[:, None, :])
+    return terms.sum(axis=2), np.abs(terms).sum(axis=2)
+
+
+def ref_rmsnorm(x, w, eps):
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + eps) * w
+
+
+def rope_tables(max_pos, hd, base=10000.0):
+    inv = base ** (-np.arange(0, hd // 2, dtype=np.float64) * 2 / hd)
+    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def ref_rope(x, cos_t, sin_t, pos0, neox):
+    n, _, hd = x.shape
+    c = cos_t[pos0:pos0 + n].astype(np.float64)[:, None, :]
+    s = sin_t[pos0:pos0 + n].astype(np.float64)[:, None, :]
+    x64 = x.astype(np.float64)
+    if neox:
+        x0, x1 = x64[..., :hd // 2], x64[..., hd // 2:]
+        return np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+    x0, x1 = x64[..., 0::2], x64[..., 1::2]
+    out = np.empty_like(x64)
+    out[..., 0::2] = x0 * c - x1 * s
+    out[..., 1::2] = x0 * s + x1 * c
+    return out
+
+
+def ref_kv_quantize(x):
+    """x (..., hd) -> (q int8, s f32): s = absmax/127, q = roundf(x / s)."""
+    s = np.abs(x).max(axis=-1) / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s[..., None] != 0, round_half_away(x / s[..., None]), 0)
+    return q.astype(np.int8), s.astype(np.float32)
+
+
+def ref_attention(q, kq, ks, vq, vs, pos0, scale):
+    """float64 causal GQA softmax attention over the dequantized int8 KV."""
+    n, n_heads, hd = q.shape
+    n_kv = kq.shape[0]
+    group = n_heads // n_kv
+    k = kq.astype(np.float64) * ks[:, :, None]
+    v = vq.astype(np.float64) * vs[:, :, None]
+    out = np.empty((n, n_heads, hd))
+    for t in range(n):
+        ctx = pos0 + t + 1
+        for h in range(n_heads):
+            g = h // group
+            s = scale * (k[g, :ctx] @ q[t, h].astype(np.float64))
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ v[g, :ctx]
+    return out
+
+
+def report(name, got, want):
+    diff = np.abs(got.astype(np.float64) - want).max()
+    rel = diff / max(np.abs(want).max(), 1e-30)
+    print(f"{name}: max |diff| {diff:.3e}, relative to max |ref| {rel:.3e}")
+    return rel
+
+
+def test_shipped_build_flags_select_a_simd_path():
+    # the bit-identity tests below only mean something if the SIMD path is the one compiled in
+    expected = {"x86_64": "avx2", "amd64": "avx2", "aarch64": "neon-dotprod", "arm64": "neon-dotprod"}
+    assert K.simd_path() == expected.get(platform.machine().lower(), "plain")
+
+
+# ---- quantization ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(1, 32), (3, 96), (67, 2048)])
+def test_quantize_q8_0_matches_reference_exactly(n, k):
+    rng = np.random.default_rng(n * 1000 + k)
+    x = (rng.standard_normal((n, k)) * rng.uniform(0.01, 10)).astype(np.float32)
+    x[0, :QK] = 0.0                                   # all-zero block: d = 0, q = 0
+    xq = np.empty((n, k), np.int8)
+    xd = np.empty((n, k // QK), np.float32)
+    K.quantize_q8_0(x, xq, xd, 2)
+    q_ref, d_ref = ref_quantize_q8_0(x)
+    np.testing.assert_array_equal(xq, q_ref)
+    np.testing.assert_array_equal(xd, d_ref)
+    assert xd[0, 0] == 0 and not xq[0, :QK].any()
+
+
+def test_quantize_q8_0_rounds_halves_away_from_zero():
+    # amax 127 gives d = 1 and 1/d = 1 exactly, so x * (1/d) hits the .5 ties
+    x = np.zeros((1, QK), np.float32)
+    x[0, :6] = [127.0, 2.5, -2.5, 0.5, -0.5, 3.5]
+    xq = np.empty((1, QK), np.int8)
+    xd = np.empty((1, 1), np.float32)
+    K.quantize_q8_0(x, xq, xd, 1)
+    assert xd[0, 0] == 1.0
+    assert xq[0, :6].tolist() == [127, 3, -3, 1, -1, 4]
+
+
+# ---- the Q8_0 product ---------------------------------------------------------------------------
+
+def quantized_activations(rng, n, k):
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    xq = np.empty((n, k), np.int8)
+    xd = np.empty((n, k // QK), np.float32)
+    K.quantize_q8_0(x, xq, xd, 1)
+    return xq, xd
+
+
+@pytest.mark.parametrize("n,m,k", [(1, 1, 32), (1, 67, 2048), (1, 129, 256), (3, 33, 64),
+                                   (3, 5, 1024), (67, 65, 512), (67, 9, 2048), (2, 130, 96)])
+def test_matmul_q8_0_against_float64_and_plain_twin(n, m, k):
+    rng = np.random.default_rng(n * 7 + m * 13 + k)
+    w, wq, wd = make_q8_weights(rng, m, k, special_scales=True)
+    xq, xd = quantized_activations(rng, n, k)
+    out = np.full((n, m), np.nan, np.float32)
+    K.matmul_q8_0(w, xq, xd, out, 2)
+    want, mag = ref_matmul_q8_0(wq, wd, xq, xd)
+    err = np.abs(out - want)
+    print(f"matmul n={n} m={m} k={k} [{K.simd_path()}]: max |diff| {err.max():.3e}, "
+          f"max |diff|/sum|terms| {(err / np.maximum(mag, 1e-30)).max():.3e}")
+    assert np.all(err <= 1e-5 * mag + 1e-30)
+
+    plain = np.full((n, m), np.nan, np.float32)
+    K.matmul_q8_0_plain(w, xq, xd, plain, 1)
+    assert np.array_equal(out.view(np.uint32), plain.view(np.uint32)), \
+        f"SIMD ({K.simd_path()}) and plain results differ in {np.sum(out != plain)} places"
+
+    one = np.empty_like(out)
+    K.matmul_q8_0(w, xq, xd, one, 1)
+    assert np.array_equal(out.view(np.uint32), one.view(np.uint32))
+
+
+def test_matmul_q8_0_reads_read_only_weights_and_rejects_bad_shapes():
+    rng = np.random.default_rng(5)
+    w, wq, wd = make_q8_weights(rng, 8, 64)
+    w.setflags(write=False)                            # like a memory-mapped GGUF
+    xq, xd = quantized_activations(rng, 2, 64)
+    out = np.empty((2, 8), np.float32)
+    K.matmul_q8_0(w, xq, xd, out, 1)
+    np.testing.assert_allclose(out, ref_matmul_q8_0(wq, wd, xq, xd)[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="out must be"):
+        K.matmul_q8_0(w, xq, xd, np.empty((2, 7), np.float32), 1)
+    with pytest.raises(ValueError, match="bytes per row"):
+        K.matmul_q8_0(np.ascontiguousarray(w[:, :-34]), xq, xd, out, 1)
+    with pytest.raises(ValueError, match="xd must be"):
+        K.matmul_q8_0(w, xq, xd[:1], out, 1)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        K.matmul_q8_0_plain(np.ascontiguousarray(w[:, :50]), np.ascontiguousarray(xq[:, :48]),
+                            xd, out, 1)
+    with pytest.raises(ValueError, match="nthreads"):
+        K.matmul_q8_0(w, xq, xd, out, 0)
+
+
+def test_dequantize_rows_q8_0_is_an_exact_embedding_lookup():
+    rng = np.random.default_rng(11)
+    w, wq, wd = make_q8_weights(rng, 50, 96, special_scales=True)
+    ids = np.array([3, 0, 49, 3, 17], np.int32)
+    out = np.empty((5, 96), np.float32)
+    K.dequantize_rows_q8_0(w, ids, out)
+    want = (np.repeat(wd, QK, axis=1) * wq.astype(np.float32))[ids]
+    np.testing.assert_array_equal(out, want)
+    for bad in (50, -1):
+        with pytest.raises(ValueError, match="outside"):
+            K.dequantize_rows_q8_0(w, np.array([1, bad], np.int32), np.empty((2, 96), np.float32))
+    with pytest.raises(ValueError, match="one per id"):
+        K.dequantize_rows_q8_0(w, ids, np.empty((4, 96), np.float32))
+
+
+# ---- float kernels ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,d", [(1, 2048), (67, 576), (3 * 16, 128), (5, 13)])
+def test_rmsnorm(n, d):
+    rng = np.random.default_rng(n + d)
+    x = (rng.standard_normal((n, d)) * 3).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    out = np.empty_like(x)
+    K.rmsnorm(x, w, 1e-6, out, 2)
+    want = ref_rmsnorm(x, w, 1e-6)
+    assert report(f"rmsnorm ({n}, {d})", out, want) < 2e-6
+    inplace = x.copy()
+    K.rmsnorm(inplace, w, 1e-6, inplace, 1)          # out aliases x
+    np.testing.assert_array_equal(inplace, out)
+    with pytest.raises(ValueError, match="w must have"):
+        K.rmsnorm(x, w[:-1], 1e-6, out, 1)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_rope(neox):
+    rng = np.random.default_rng(int(neox))
+    n, heads, hd, pos0 = 7, 3, 64, 40
+    cos_t, sin_t = rope_tables(64, hd, base=1e6)
+    x = rng.standard_normal((n, heads, hd)).astype(np.float32)
+    want = ref_rope(x, cos_t, sin_t, pos0, neox)
+    got = x.copy()
+    K.rope(got, cos_t, sin_t, pos0, neox, 2)
+    assert report(f"rope neox={neox}", got, want) < 1e-6
+    one = x.copy()
+    K.rope(one, cos_t, sin_t, pos0, neox, 1)
+    np.testing.assert_array_equal(got, one)
+    with pytest.raises(ValueError, match="outside the tables"):
+        K.rope(x, cos_t, sin_t, 60, neox, 1)
+    with pytest.raises(ValueError, match="cos_t and sin_t"):
+        K.rope(x, np.ascontiguousarray(cos_t[:, :8]), sin_t, 0, neox, 1)
+
+
+def test_swiglu():
+    rng = np.random.default_rng(3)
+    gate = (rng.standard_normal((3, 5000)) * 4).astype(np.float32)
+    gate[0, :4] = [-100.0, 100.0, 0.0, -90.0]         # saturated sigmoid both ways
+    up = rng.standard_normal((3, 5000)).astype(np.float32)
+    out = np.empty_like(gate)
+    K.swiglu(gate, up, out, 2)
+    g64 = gate.astype(np.float64)
+    want = g64 / (1 + np.exp(-g64)) * up
+    assert report("swiglu", out, want) < 1e-6
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-30)
+    inplace = gate.copy()
+    K.swiglu(inplace, up, inplace, 1)                 # out aliases gate
+    np.testing.assert_array_equal(inplace, out)
+    with pytest.raises(ValueError, match="must all be"):
+        K.swiglu(gate, up[:2], out, 1)
+
+
+# ---- KV store and attention -------------------------------------------------------------------
+
+def empty_kv_layer(rng, n_kv, max_seq, hd):
+    """A layer of the arena as a previous request left it: stale bytes and NaN scales, so a
+    kernel that reads a position it must not read shows it."""
+    kq = rng.integers(-127, 128, size=(n_kv, max_seq, hd), dtype=np.int8)
+    vq = rng.integers(-127, 128, size=(n_kv, max_seq, hd), dtype=np.int8)
+    ks = np.full((n_kv, max_seq), np.nan, np.float32)
+    vs = np.full((n_kv, max_seq), np.nan, np.float32)
+    return kq, ks, vq, vs
+
+
+def test_kv_store_quantizes_each_token_and_head_exactly():
+    rng = np.random.default_rng(21)
+    n, n_kv, hd, max_seq, pos0 = 5, 3, 64, 16, 9
+    k = (rng.standard_normal((n, n_kv, hd)) * 2).astype(np.float32)
+    v = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    k[2, 1] = 0.0                                     # zero row: scale 0, all q 0
+    kq, ks, vq, vs = empty_kv_layer(rng, n_kv, max_seq, hd)
+    before = kq.copy()
+    K.kv_store(k, v, kq, ks, vq, vs, pos0, 2)
+    for x, xq, xs in ((k, kq, ks), (v, vq, vs)):
+        q_ref, s_ref = ref_kv_quantize(x)             # (n, n_kv, hd), (n, n_kv)
+        np.testing.assert_array_equal(xq[:, pos0:pos0 + n], q_ref.transpose(1, 0, 2))
+        np.testing.assert_array_equal(xs[:, pos0:pos0 + n], s_ref.T)
+        assert np.isnan(xs[:, :pos0]).all() and np.isnan(xs[:, pos0 + n:]).all()
+    np.testing.assert_array_equal(kq[:, :pos0], before[:, :pos0])
+    assert ks[1, pos0 + 2] == 0 and not kq[1, pos0 + 2].any()
+    with pytest.raises(ValueError, match="do not fit max_seq=16"):
+        K.kv_store(k, v, kq, ks, vq, vs, 12, 1)
+    with pytest.raises(ValueError, match="v must be"):
+        K.kv_store(k, np.ascontiguousarray(v[:, :2]), kq, ks, vq, vs, 0, 1)
+
+
+def store_prompt(rng, n_tokens, n_kv, hd, max_seq):
+    kq, ks, vq, vs = empty_kv_layer(rng, n_kv, max_seq, hd)
+    k = (rng.standard_normal((n_tokens, n_kv, hd)) * 1.5).astype(np.float32)
+    v = rng.standard_normal((n_tokens, n_kv, hd)).astype(np.float32)
+    K.kv_store(k, v, kq, ks, vq, vs, 0, 2)
+    return kq, ks, vq, vs
+
+
+def run_attention(q, kv, pos0, kv_bs, nthreads):
+    out = np.full(q.shape, np.nan, np.float32)
+    K.attention(q, *kv, pos0, 1.0 / np.sqrt(q.shape[2]), kv_bs, out, nthreads)
+    return out
+
+
+@pytest.mark.parametrize("n,pos0,n_heads,n_kv,hd,kv_bs", [
+    (1, 0, 4, 2, 64, 32),          # first token
+    (1, 700, 6, 2, 64, 32),        # decode, 701 keys: several key splits
+    (1, 4999, 2, 1, 16, 64),       # decode, 5000 keys: the maximum of 16 splits
+    (67, 0, 6, 2, 64, 32),         # prefill, GQA 3:1
+    (20, 90, 4, 4, 128, 16),       # chunk after a prefix, no GQA, small blocks
+    (3, 37, 9, 3, 64, 128),        # SmolLM2 shape, block longer than the context
+])
+def test_attention_against_float64(n, pos0, n_heads, n_kv, hd, kv_bs):
+    rng = np.random.default_rng(n + pos0 + hd)
+    max_seq = pos0 + n + 5
+    kv = store_prompt(rng, pos0 + n, n_kv, hd, max_seq)
+    q = rng.standard_normal((n, n_heads, hd)).astype(np.float32)
+    out = run_attention(q, kv, pos0, kv_bs, 2)
+    want = ref_attention(q, *kv, pos0, 1.0 / np.sqrt(hd))
+    assert report(f"attention n={n} pos0={pos0} heads={n_heads}/{n_kv} hd={hd} kv_bs={kv_bs}",
+                  out, want) < 2e-5
+    np.testing.assert_array_equal(out, run_attention(q, kv, pos0, kv_bs, 1))
+    np.testing.assert_array_equal(out, run_attention(q, kv, pos0, kv_bs, 3))
+
+
+def test_attention_chunked_prefill_and_decode_equal_one_full_prefill():
+    rng = np.random.default_rng(8)
+    n_heads, n_kv, hd, total = 4, 2, 64, 150
+    kv = store_prompt(rng, total, n_kv, hd, 160)
+    q = rng.standard_normal((total, n_heads, hd)).astype(np.float32)
+    full = run_attention(q, kv, 0, 32, 2)
+    pieces, pos = [], 0
+    for size in (40, 33, 1, 70, 1, 1, 4):              # prefill chunks and decode steps
+        pieces.append(run_attention(q[pos:pos + size].copy(), kv, pos, 32, 2))
+        pos += size
+    assert pos == total
+    chunked = np.concatenate(pieces)
+    assert report("attention chunked vs full prefill", chunked, full.astype(np.float64)) < 1e-5
+    want = ref_attention(q, *kv, 0, 1.0 / np.sqrt(hd))
+    assert report("attention full prefill", full, want) < 2e-5
+
+
+def test_attention_rejects_bad_arguments():
+    rng = np.random.default_rng(1)
+    kv = store_prompt(rng, 8, 2, 64, 8)
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    out = np.empty_like(q)
+    with pytest.raises(ValueError, match="do not fit max_seq=8"):
+        K.attention(q, *kv, 7, 0.125, 32, out, 1)
+    with pytest.raises(ValueError, match="power of two"):
+        K.attention(q, *kv, 0, 0.125, 48, out, 1)
+    with pytest.raises(ValueError, match="not a multiple of n_kv"):
+        K.attention(rng.standard_normal((2, 3, 64)).astype(np.float32), *kv, 0, 0.125, 32,
+                    np.empty((2, 3, 64), np.float32), 1)
+    with pytest.raises(ValueError, match="out must be"):
+        K.attention(q, *kv, 0, 0.125, 32, out[:1], 1)

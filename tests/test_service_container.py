@@ -1,0 +1,182 @@
+"""The units under a real systemd: one throw-away container (tests/container.py) for the
+module, booted with the checkout bound read-only at its own path.
+
+The service runs from a test copy of systemd/kestreld.service that differs only where it
+must: ExecStart is this checkout's interpreter (`python -m kestreld`, PYTHONPATH = the
+checkout), WatchdogSec=4 and RestartSec=1 so the failure tests are quick, and, when the
+interpreter or checkout lives under /root or /home, ProtectHome=tmpfs with those folders
+bound back read-only (ProtectHome=yes would hide them). The config is the sample with the
+model set to the Q8_0 SmolLM2 and a small arena. The tests run in file order, each
+building on the state the previous one left.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from container import SystemdContainer, unavailable_reason, unit_with
+from daemon import START_TIMEOUT_S, model_path
+from kestrelctl import Client
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+UNITS = CHECKOUT / "systemd"
+SOCKET = "/run/kestrel/kestreld.sock"
+MODEL_IN_BOX = "/opt/kestrel-test/model.gguf"
+WATCHDOG_S = 4
+# Long enough for a prefix hit (>= 16 tokens); the follow-up extends it.
+PROMPT = ("The kestrel is a small falcon that hovers over open fields, watching the grass "
+          "for mice and beetles, then drops on its prey.")
+FOLLOW_UP = PROMPT + " Where does the kestrel build its nest?"
+
+
+def _bound_folders() -> list[str]:
+    """Host folders the service needs: the checkout, its venv, the interpreter's install."""
+    folders = {str(CHECKOUT), os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    folders = {f for f in folders if not f.startswith("/usr/") and f != "/usr"}
+    return sorted(f for f in folders if not any(f.startswith(o + "/") for o in folders))
+
+
+def _test_service(folders: list[str]) -> str:
+    changes = {
+        "ExecStart": f"ExecStart={sys.executable} -m kestreld --config /etc/kestrel/kestreld.conf",
+        "Environment": f"Environment=PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PYTHONPATH={CHECKOUT}",
+        "WatchdogSec": f"WatchdogSec={WATCHDOG_S}",
+        "RestartSec": "RestartSec=1",
+    }
+    homes = [f for f in folders if f.startswith(("/root/", "/home/"))]
+    if homes:
+        changes["ProtectHome"] = "ProtectHome=tmpfs\nBindReadOnlyPaths=" + " ".join(homes)
+    return unit_with((UNITS / "kestreld.service").read_text(), changes)
+
+
+def _test_config() -> str:
+    text = (UNITS / "kestreld.conf.sample").read_text()
+    for key, value in (("model", MODEL_IN_BOX), ("max-seq", "512"), ("threads", "1")):
+        text, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+        assert n == 1, f"sample config has no single `{key} =` line"
+    return text
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory):
+    reason = unavailable_reason()
+    if reason:
+        print(f"\nSKIP test_service_container: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("box")
+    folders = _bound_folders()
+    files = {
+        "kestreld.service": _test_service(folders),
+        "kestreld.conf": _test_config(),
+        # Presets would enable every unit with an [Install] section on this first boot.
+        "preset": "disable kestreld.service\ndisable kestreld.socket\n",
+        # Stands in for install-service.sh's `groupadd --system kestrel`.
+        "sysusers.conf": "g kestrel -\n",
+    }
+    for name, text in files.items():
+        (tmp / name).write_text(text)
+    binds = {f: f for f in folders}
+    binds.update({
+        model_path(): MODEL_IN_BOX,
+        str(tmp / "kestreld.service"): "/etc/systemd/system/kestreld.service",
+        str(UNITS / "kestreld.socket"): "/etc/systemd/system/kestreld.socket",
+        str(tmp / "kestreld.conf"): "/etc/kestrel/kestreld.conf",
+        str(tmp / "preset"): "/etc/systemd/system-preset/00-test.preset",
+        str(tmp / "sysusers.conf"): "/etc/sysusers.d/kestrel.conf",
+    })
+    with SystemdContainer(binds, str(tmp / "console.log")) as c:
+        yield c
+
+
+def _client(box: SystemdContainer, timeout: float = START_TIMEOUT_S) -> Client:
+    return Client(box.host_path(SOCKET), timeout=timeout)
+
+
+def _main_pid(box: SystemdContainer) -> int:
+    return int(box.show("kestreld.service", "MainPID")["MainPID"])
+
+
+def _wait_for(what: str, predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_socket_activation_starts_the_daemon_on_first_request(box):
+    box.systemctl("start", "kestreld.socket")
+    assert box.show("kestreld.service", "ActiveState")["ActiveState"] == "inactive"
+    assert box.run(["stat", "-c", "%a %U %G", SOCKET]).stdout.split() == ["660", "root", "kestrel"]
+    assert box.run(["stat", "-c", "%a", "/run/kestrel"]).stdout.split() == ["755"]
+    with _client(box) as kc:
+        result = kc.generate(prompt=PROMPT, max_tokens=4)
+        assert result.usage["completion_tokens"] == 4
+        assert kc.ping()["pid"] == _main_pid(box)
+    props = box.show("kestreld.service", "ActiveState", "SubState", "StatusText", "User")
+    assert (props["ActiveState"], props["SubState"], props["User"]) == ("active", "running", "kestreld")
+    assert props["StatusText"], "no STATUS= reached systemd"
+
+
+def test_socket_access_is_for_group_kestrel(box):
+    connect = [sys.executable, "-c", f"import socket; socket.socket(socket.AF_UNIX).connect({SOCKET!r})"]
+    def as_nobody(group: str) -> list:
+        return ["setpriv", "--reuid=65534", f"--regid={group}", "--clear-groups", *connect]
+    denied = box.run(as_nobody("65534"), check=False)
+    assert denied.returncode != 0 and "PermissionError" in denied.stderr, denied.stderr
+    box.run(as_nobody("kestrel"))
+
+
+def test_journal_has_inference_state_ready(box):
+    journal = box.journal("kestreld.service")
+    assert "inference state ready" in journal, journal[-2000:]
+
+
+def test_restart_gives_a_new_pid_and_an_empty_cache(box):
+    with _client(box, 60) as kc:
+        before = kc.generate(prompt=FOLLOW_UP, max_tokens=4)
+    assert before.usage["cached_tokens"] >= 16      # a hit on the first test's prompt
+    old = _main_pid(box)
+    box.systemctl("restart", "kestreld.service")     # returns once READY=1 came
+    new = _main_pid(box)
+    assert new not in (0, old)
+    with _client(box, 60) as kc:
+        assert kc.ping()["pid"] == new
+        assert kc.status()["cache_len"] == 0
+        after = kc.generate(prompt=FOLLOW_UP, max_tokens=4)
+    assert after.usage["cached_tokens"] == 0
+    assert after.ids == before.ids                  # greedy: a miss computes the same tokens
+
+
+def test_sigkill_brings_an_automatic_restart(box):
+    old = _main_pid(box)
+    restarts = int(box.show("kestreld.service", "NRestarts")["NRestarts"])
+    box.systemctl("kill", "--kill-who=main", "--signal=KILL", "kestreld.service")
+    _wait_for("the restart after SIGKILL",
+              lambda: int(box.show("kestreld.service", "NRestarts")["NRestarts"]) == restarts + 1,
+              30)
+    with _client(box) as kc:
+        pid = kc.ping()["pid"]
+    assert pid not in (0, old) and pid == _main_pid(box)
+    assert "code=killed, status=9/KILL" in box.journal("kestreld.service")
+
+
+def test_sigstop_trips_the_watchdog(box):
+    props = box.show("kestreld.service", "NRestarts", "WatchdogUSec", "MainPID")
+    assert props["WatchdogUSec"] == f"{WATCHDOG_S}s"
+    # A live daemon's loop pings the watchdog: it outlives WatchdogSec untouched ...
+    time.sleep(WATCHDOG_S + 1)
+    assert box.show("kestreld.service", "NRestarts", "WatchdogUSec", "MainPID") == props
+    restarts = int(props["NRestarts"])
+    # ... and a stopped one does not.
+    box.systemctl("kill", "--kill-who=main", "--signal=SIGSTOP", "kestreld.service")
+    _wait_for("the watchdog restart",
+              lambda: int(box.show("kestreld.service", "NRestarts")["NRestarts"]) == restarts + 1,
+              WATCHDOG_S + 30)
+    journal = box.journal("kestreld.service")
+    assert "Watchdog timeout" in journal and "Failed with result 'watchdog'" in journal
