@@ -69,8 +69,9 @@ class Config:
             raise ValueError(f"shutdown-grace must be >= 0, got {self.shutdown_grace}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
-        if self.kv_bs & (self.kv_bs - 1):
-            raise ValueError(f"kv-bs must be a power of two, got {self.kv_bs}")
+        if self.kv_bs < 16 or self.kv_bs & (self.kv_bs - 1):
+            raise ValueError(f"kv-bs must be a power of two >= 16 (the attention kernel's "
+                             f"vector width), got {self.kv_bs}")
 
     @property
     def n_threads(self) -> int:

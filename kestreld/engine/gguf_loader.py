@@ -105,7 +105,7 @@ class GGUFSource:
                                  f"supported: {', '.join(SUPPORTED_ARCHS)}")
         try:
             return self._hyperparameters(arch)
-        except (TypeError, ValueError) as e:  # e.g. a per-layer array where a number belongs
+        except (TypeError, ValueError, ZeroDivisionError) as e:  # e.g. a per-layer array
             raise ModelLoadError(f"{self.path}: bad hyperparameter metadata: {e}") from None
 
     def _hyperparameters(self, arch: str) -> ModelConfig:

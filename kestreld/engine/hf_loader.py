@@ -206,7 +206,7 @@ class HFSource:
                 n_params=sum(int(np.prod(t.shape)) for name, t in self._tensors.items()
                              if not (tied and name == TENSOR_NAMES["output"])),
             )
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{self._config_file}: bad value: {e}") from None
 
     # ---- tensors ----------------------------------------------------------------------
