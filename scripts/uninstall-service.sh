@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Undo install-service.sh (run as root): stop and disable the units, remove them, the
-# venv and models under /opt/kestrel, and the group `kestrel`. /etc/kestrel (your config)
-# stays unless --purge.
+# venv and models under /opt/kestrel, the kestrelctl link and the group `kestrel`.
+# /etc/kestrel (your config) stays unless --purge.
 set -euo pipefail
 
 PURGE=no
@@ -23,8 +23,11 @@ if [ -d /run/systemd/system ]; then
 fi
 say "removed the units"
 
+if [ "$(readlink /usr/local/bin/kestrelctl)" = /opt/kestrel/venv/bin/kestrelctl ]; then
+  rm -f /usr/local/bin/kestrelctl
+fi
 rm -rf /opt/kestrel
-say "removed /opt/kestrel"
+say "removed /opt/kestrel and /usr/local/bin/kestrelctl"
 
 if getent group kestrel >/dev/null; then
   groupdel kestrel

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from modelgen import SPECS, GeneratedModel, generate
+from modelgen import GeneratedModel, generate
 
 
 class ModelZoo:
@@ -57,7 +57,7 @@ class Transformers:
             for _ in range(n_new):
                 nxt = int(out.logits[0, -1].argmax())
                 out_ids.append(nxt)
-                out = m(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+                out = m(torch.tensor([[nxt]]), cache=out.cache, use_cache=True)
         return out_ids
 
 

@@ -342,10 +342,15 @@ def test_queue_full_then_cancel_queued_and_running(daemon, client):
     time.sleep(0.3)
     raw.send([0, 2, "generate", [{"prompt": SHORT, "max_tokens": 4}]])
     raw.send([0, 3, "generate", [{"prompt": SHORT, "max_tokens": 4}]])
-    notes, resp3 = raw.until_response(3)
+    resp3, queued = None, None          # the order between different msgids is free
+    while resp3 is None or queued is None:
+        m = raw.read()
+        if m[:2] == [1, 3]:
+            resp3 = m
+        elif m[:2] == [2, "progress"] and m[2][0] == 2:
+            queued = m[2][1]
     assert resp3[2]["code"] == "queue_full" and "max-queue 1" in resp3[2]["message"]
-    queued = [n for n in notes if n[1] == "progress" and n[2][0] == 2]
-    assert queued and queued[0][2][1] == {"phase": "queued", "done": 0, "total": 1}
+    assert queued == {"phase": "queued", "done": 0, "total": 1}
     assert client.status()["queued"] == 1
     raw.send([0, 4, "cancel", [{"id": 2}]])
     seen = {}

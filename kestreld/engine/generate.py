@@ -124,7 +124,7 @@ class Engine:
         """The prompt text of a conversation, from the model's own chat template."""
         tok = self.tokenizer
         special = {"bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                   "eos_token": tok.token_text(min(tok.eos_ids)) if tok.eos_ids else ""}
+                   "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else ""}
         return self.chat.render(messages, add_generation_prompt=True,
                                 enable_thinking=enable_thinking, **special)
 

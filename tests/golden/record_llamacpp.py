@@ -51,12 +51,14 @@ CORPUS = [
 ]
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+# Chosen so that llama.cpp's top-1 beats top-2 by >= 0.12 logits over the first 16 tokens
+# (SmolLM2 has many near-ties; a tie is no test of the engine, only of rounding).
 CHATS = [
-    "What is the capital of France? Answer in one sentence and then explain why it is famous.",
-    "Write a short poem about the sea.",
-    "Explain what a computer is to a child.",
-    "Give me three tips for staying healthy.",
-    "How do plants make their food?",
+    "Tell me about the city of Paris.",
+    "Tell me about elephants.",
+    "What is Python?",
+    "What is a computer?",
+    "Tell me about the Moon.",
 ]
 
 
