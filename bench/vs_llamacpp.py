@@ -21,6 +21,7 @@ the bytes of weights one token reads over the measured copy bandwidth (STREAM Co
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -34,7 +35,8 @@ import numpy as np
 from common import (copy_bandwidth, cpu_has_amx, open_llama, qwen3_shaped_q8_0_path, rss_mb,
                     weight_bytes_per_token)
 
-from kestreld.engine.convert import cache_dir_from, smollm2_q8_0_path
+from kestreld.config import default_cache_dir
+from kestreld.engine.convert import smollm2_q8_0_path
 
 LLAMA_CPP_VERSION = "0.3.36"   # the version tests/golden was recorded with
 PROBE_PROMPT = 512
@@ -223,9 +225,7 @@ def resource_table(resources: dict) -> str:
 
 
 def llamacpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:
         print(f"llama-cpp-python is not installed: only Kestrel is measured. To compare:\n"
               f"    {sys.executable} -m pip install llama-cpp-python=={LLAMA_CPP_VERSION}\n"
               f"(it builds llama.cpp from source, about 10 minutes)", file=sys.stderr)
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     if n_batch >= args.max_seq:
         raise SystemExit(f"--max-seq {args.max_seq} is too small for prompts of {n_batch} tokens")
     have_llamacpp = llamacpp_available()
-    cache = cache_dir_from(os.environ)
+    cache = default_cache_dir(os.environ)
     paths = {"smollm2": lambda: smollm2_q8_0_path(cache),
              "qwen3-0.6b": lambda: qwen3_shaped_q8_0_path(cache)}
     bandwidth = copy_bandwidth()

@@ -59,6 +59,7 @@ class Config:
     log_level: str = "info"
     debug: bool = False                  # tracebacks on fatal errors
     config_file: Optional[str] = None
+    cache_dir: Optional[str] = None      # Q8_0 conversions of non-Q8_0 GGUFs (None: convert in memory)
 
     def __post_init__(self):
         for name in ("max_seq", "prefix_min", "kv_bs", "prefill_chunk", "max_queue",
@@ -111,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     a("--prompt", help="one-shot: generate a completion for TEXT, print it, exit")
     a("--log-level", choices=["debug", "info", "warning", "error"])
     a("--debug", action="store_const", const=True, help="show tracebacks")
+    a("--cache-dir", help="where Q8_0 conversions of other GGUF types are kept "
+      "(default $CACHE_DIRECTORY, $XDG_CACHE_HOME/kestrel or ~/.cache/kestrel)")
     a("--config", dest="config_file",
       help=f"config file of `key = value` lines (default {DEFAULT_CONFIG_FILE} if present)")
     return p
@@ -151,6 +154,15 @@ def read_config_file(path: str) -> dict:
     return out
 
 
+def default_cache_dir(environ: Mapping[str, str]) -> str:
+    """systemd's CacheDirectory= ($CACHE_DIRECTORY), else $XDG_CACHE_HOME/kestrel, else
+    ~/.cache/kestrel."""
+    if environ.get("CACHE_DIRECTORY"):
+        return environ["CACHE_DIRECTORY"].split(":")[0]
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kestrel")
+
+
 def load_config(argv: Optional[Sequence[str]] = None,
                 environ: Optional[Mapping[str, str]] = None) -> Config:
     """Build the Config from argv, the environment and the config file (in that priority)."""
@@ -163,6 +175,7 @@ def load_config(argv: Optional[Sequence[str]] = None,
     if path:
         values.update(read_config_file(path))
         values["config_file"] = path
+    values.setdefault("cache_dir", default_cache_dir(environ))
     for var, name in _ENV.items():
         if environ.get(var):
             values[name] = _coerce(name, environ[var])

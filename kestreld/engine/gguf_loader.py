@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Any, Optional
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 
 from ..errors import ModelLoadError
 from .model import Q8_BLOCK, ModelConfig, Q8Matrix
@@ -141,6 +141,11 @@ class GGUFSource:
             if len(t.shape) >= 2:
                 counts[t.tensor_type.name.lower()] += int(t.n_elements)
         return counts.most_common(1)[0][0] if counts else "unknown"
+
+    def all_q8_0(self) -> bool:
+        """True when every matrix is Q8_0 already (usable in place, nothing to convert)."""
+        return all(t.tensor_type == GGMLQuantizationType.Q8_0
+                   for t in self._reader.tensors if len(t.shape) >= 2)
 
     # ---- tensors ----------------------------------------------------------------------
 

@@ -6,20 +6,30 @@ weight layout and is the one place that decides which roles a model needs.
 """
 from __future__ import annotations
 
+import logging
 import os
+from typing import Optional
 
 from ..errors import ModelLoadError
+from .convert import cached_q8_0, find_cached_q8_0
 from .gguf_loader import GGUFSource
 from .hf_loader import HFSource
 from .model import LayerWeights, LoadedModel, ModelConfig, ModelWeights
 
+log = logging.getLogger("kestreld")
 
-def load_model(path: str) -> LoadedModel:
-    """Load a model; any fault raises ModelLoadError naming the file and what is wrong."""
+
+def load_model(path: str, cache_dir: Optional[str] = None) -> LoadedModel:
+    """Load a model; any fault raises ModelLoadError naming the file and what is wrong.
+
+    With `cache_dir`, a GGUF whose matrices are not all Q8_0 is converted once into a
+    cached Q8_0 GGUF there and memory-mapped from it on every later start (fast start,
+    weights in place); without it, or if the cache cannot be written, the conversion is
+    done in memory at each load."""
     if os.path.isdir(path):
         source = HFSource(path)
     elif os.path.exists(path):
-        source = GGUFSource(path)
+        source = _open_gguf_cached(path, cache_dir)
     else:
         raise ModelLoadError(f"{path}: no such file or directory")
     return LoadedModel(
@@ -32,6 +42,23 @@ def load_model(path: str) -> LoadedModel:
         source_dtype=source.source_dtype,
         keepalive=source.keepalive,
     )
+
+
+def _open_gguf_cached(path: str, cache_dir: Optional[str]) -> GGUFSource:
+    """The GGUF source to load: the cached Q8_0 conversion of `path` when there is one
+    (or can be made), else `path` itself."""
+    cached = find_cached_q8_0(path, cache_dir) if cache_dir else None
+    if cached:
+        return GGUFSource(cached)
+    source = GGUFSource(path)
+    if cache_dir and not source.all_q8_0():
+        try:
+            log.info("converting %s to Q8_0 once, into %s", path, cache_dir)
+            return GGUFSource(cached_q8_0(path, cache_dir))
+        except OSError as e:
+            log.warning("cannot cache the Q8_0 conversion in %s (%s); converting in memory",
+                        cache_dir, e)
+    return source
 
 
 def _assemble(src, c: ModelConfig) -> ModelWeights:

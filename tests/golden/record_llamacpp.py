@@ -18,7 +18,8 @@ import jinja2
 import llama_cpp
 import numpy as np
 
-from kestreld.engine.convert import cache_dir_from, smollm2_q8_0_path
+from kestreld.config import default_cache_dir
+from kestreld.engine.convert import smollm2_q8_0_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -115,7 +116,7 @@ def greedy(llm: llama_cpp.Llama, prompt_ids: list, n: int) -> dict:
 
 
 def main() -> int:
-    model_path = smollm2_q8_0_path(cache_dir_from(os.environ))
+    model_path = smollm2_q8_0_path(default_cache_dir(os.environ))
     # Plain CPU buffers: the reference path, and ggml's AMX matmul crashes on our x86 VMs.
     llm = open_llama(model_path, extra_buffer_types=False, n_threads=2, n_ctx=2048, seed=0,
                      logits_all=False, verbose=False)
