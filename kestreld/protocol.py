@@ -13,12 +13,13 @@ It imports msgpack and errors only: kestrelctl imports it without the engine or 
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import msgpack
 
-from .errors import BadRequest, KestrelError, TooLarge, UnknownMethod
+from .errors import BadRequest, KestrelError, PromptTooLong, TooLarge, UnknownMethod
 
 PROTOCOL_VERSION = 1
 DEFAULT_SOCKET = "/run/kestrel/kestreld.sock"
@@ -89,13 +90,19 @@ Params = Union[GenerateParams, ChatParams, TokenizeParams, DetokenizeParams, Can
 
 # ---------------------------------------------------------------- value checks
 
+# Client values quoted in error messages are cut short: a hostile value (megabytes, or
+# nested a thousand levels deep) must not make a huge reply or a RecursionError.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother = 3, 60, 60
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _int(name: str, v, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
     if not _is_int(v):
-        raise BadRequest(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+        raise BadRequest(f"{name} must be an integer, got {type(v).__name__} {_QUOTE.repr(v)}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         bounds = f">= {lo}" if hi is None else f"in {lo}..{hi}"
         raise BadRequest(f"{name} must be {bounds}, got {v}")
@@ -104,7 +111,7 @@ def _int(name: str, v, lo: Optional[int] = None, hi: Optional[int] = None) -> in
 
 def _number(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
     if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
-        raise BadRequest(f"{name} must be a finite number, got {v!r}")
+        raise BadRequest(f"{name} must be a finite number, got {_QUOTE.repr(v)}")
     if v < lo or (lo_open and v == lo) or v > hi:
         left = "(" if lo_open else "["
         right = "]" if math.isfinite(hi) else ")"
@@ -114,7 +121,7 @@ def _number(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False
 
 def _bool(name: str, v) -> bool:
     if not isinstance(v, bool):
-        raise BadRequest(f"{name} must be true or false, got {v!r}")
+        raise BadRequest(f"{name} must be true or false, got {_QUOTE.repr(v)}")
     return v
 
 
@@ -132,17 +139,21 @@ def _stop(name: str, v) -> tuple:
     for s in v:
         if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
             raise BadRequest(f"{name}: each entry must be a string of 1..{MAX_STOP_CHARS} "
-                             f"characters, got {s!r:.60}")
+                             f"characters, got {_QUOTE.repr(s)}")
     return tuple(v)
 
 
 def _ids(name: str, v, vocab_size: int) -> tuple:
     if not isinstance(v, (list, tuple)):
         raise BadRequest(f"{name} must be a list of token ids, got {type(v).__name__}")
+    # C-speed passes first (an 8 MiB message holds millions of ids and this runs on the
+    # event loop); the Python loop only runs to name the first bad id.
+    if not v or (set(map(type, v)) == {int} and min(v) >= 0 and max(v) < vocab_size):
+        return tuple(v)
     for i in v:
         if not _is_int(i) or not 0 <= i < vocab_size:
             raise BadRequest(f"{name}: token ids must be integers in 0..{vocab_size - 1}, "
-                             f"got {i!r}")
+                             f"got {_QUOTE.repr(i)}")
     return tuple(v)
 
 
@@ -196,7 +207,9 @@ def _params_map(method: str, params) -> dict:
     allowed = set(_FIELDS[method]) | (set(OPTION_CHECKS) if method in ENGINE_METHODS else set())
     unknown = sorted(str(k) for k in params if k not in allowed)
     if unknown:
-        raise BadRequest(f"{method}: unknown parameter(s) {', '.join(unknown)}; "
+        named = ", ".join(_QUOTE.repr(k) for k in unknown[:8])        # bounded, as values
+        more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+        raise BadRequest(f"{method}: unknown parameter(s) {named}{more}; "
                          f"allowed: {', '.join(sorted(allowed)) or 'none'}")
     return params
 
@@ -205,18 +218,25 @@ def _options(p: dict) -> dict:
     return {k: OPTION_CHECKS[k](p[k]) for k in OPTION_CHECKS if k in p}
 
 
-def validate_params(method: str, params, vocab_size: int) -> Params:
+def validate_params(method: str, params, vocab_size: int,
+                    max_seq: Optional[int] = None) -> Params:
     """Check a request's params against `method`'s schema; return the typed value.
 
     Raises UnknownMethod for a method not in METHODS and BadRequest (naming the field, the
-    limit and the value) for anything else wrong. `vocab_size` bounds token ids."""
+    limit and the value) for anything else wrong. `vocab_size` bounds token ids; with
+    `max_seq`, generate `ids` that leave no room in the context raise PromptTooLong here,
+    before they are copied and queued (the engine checks again, for prompts and chats)."""
     if method not in METHODS:
-        raise UnknownMethod(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
+        raise UnknownMethod(f"unknown method {_QUOTE.repr(method)}; methods: {', '.join(METHODS)}")
     p = _params_map(method, params)
     if method == "generate":
         has_prompt, has_ids = "prompt" in p, "ids" in p
         if has_prompt == has_ids:
             raise BadRequest("generate needs exactly one of prompt (str) or ids ([int])")
+        if has_ids and max_seq is not None and isinstance(p["ids"], list) \
+                and len(p["ids"]) >= max_seq:
+            raise PromptTooLong(f"the prompt has {len(p['ids'])} tokens and the context holds "
+                                f"max_seq={max_seq}: no room for a new token")
         return GenerateParams(
             prompt=_str("prompt", p["prompt"]) if has_prompt else None,
             ids=_ids("ids", p["ids"], vocab_size) if has_ids else None,

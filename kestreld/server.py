@@ -10,6 +10,7 @@ as `token`/`progress` notifications and one final response.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import grp
@@ -33,6 +34,7 @@ from .status import StatusReporter
 log = logging.getLogger("kestreld.server")
 
 _PEERCRED = struct.Struct("3i")     # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+MAX_ASIDE_IN_FLIGHT = 4             # tokenize/detokenize answers pending per connection
 
 
 # ---------------------------------------------------------------- the listening socket
@@ -112,11 +114,19 @@ class Connection(asyncio.Protocol):
         self.peer = (0, -1, -1)         # (pid, uid, gid) from SO_PEERCRED
         self.closed = False
         self.slow = False               # outgoing buffer over the limit: notifications dropped
+        # Flow control: decoded objects not handled yet, held while the peer does not read
+        # its replies or has too many tokenize/detokenize answers pending (see _drain).
+        self.pending: collections.deque = collections.deque()
+        self.write_paused = False       # transport over its high-water mark (max_outgoing_bytes)
+        self.aside = 0                  # tokenize/detokenize answers being computed
+        self.reading = True
 
     # asyncio callbacks ------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        limit = self.server.config.max_outgoing_bytes
+        transport.set_write_buffer_limits(high=limit, low=limit // 2)   # -> pause/resume_writing
         sock = transport.get_extra_info("socket")
         try:
             self.peer = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
@@ -128,6 +138,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self.pending.clear()
         self.server.connections.pop(self.id, None)
         if self.jobs:
             log.info("connection %d closed with %d request(s) in flight: dropping them",
@@ -139,15 +150,38 @@ class Connection(asyncio.Protocol):
         view = memoryview(data)
         step = self.reader.max_chunk
         for i in range(0, len(view), step):
-            for obj in self.reader.feed(view[i:i + step]):
-                if isinstance(obj, FrameError):
-                    self._fail(obj.msgid, obj.error)
-                    return
-                self._on_object(obj)
-                if self.closed:
-                    return
-            if self.reader.dead:
+            self.pending.extend(self.reader.feed(view[i:i + step]))
+            self._drain()
+            if self.closed or self.reader.dead:
                 return
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._drain()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._drain()
+
+    def _drain(self) -> None:
+        """Handle the decoded objects while the peer reads its replies and has at most
+        MAX_ASIDE_IN_FLIGHT tokenize/detokenize answers pending; otherwise hold them and
+        stop reading the socket. Without this a client that pipelines requests and never
+        reads (or floods tokenize) made the daemon buffer replies or texts without bound."""
+        while self.pending and not self.closed and not self._held():
+            obj = self.pending.popleft()
+            if isinstance(obj, FrameError):
+                self._fail(obj.msgid, obj.error)
+                return
+            self._on_object(obj)
+        if self.closed:
+            return
+        if self._held() == self.reading:
+            self.reading = not self.reading
+            (self.transport.resume_reading if self.reading else self.transport.pause_reading)()
+
+    def _held(self) -> bool:
+        return self.write_paused or self.aside >= MAX_ASIDE_IN_FLIGHT
 
     # requests ---------------------------------------------------------------
 
@@ -170,7 +204,8 @@ class Connection(asyncio.Protocol):
 
     def _on_request(self, req: Request) -> None:
         server = self.server
-        params = validate_params(req.method, req.params, server.engine.vocab_size)
+        params = validate_params(req.method, req.params, server.engine.vocab_size,
+                                 server.engine.arena.max_seq)
         if req.method in ENGINE_METHODS:
             self._submit(req.msgid, params)
         elif req.method == "ping":
@@ -200,8 +235,10 @@ class Connection(asyncio.Protocol):
     def _answer_aside(self, msgid: int, compute: Callable[[], dict]) -> None:
         """Answer from the side executor (tokenizing megabytes must not stall the loop)."""
         future = asyncio.get_running_loop().run_in_executor(self.server.executor, compute)
+        self.aside += 1
 
         def done(f: asyncio.Future) -> None:
+            self.aside -= 1
             exc = f.exception()
             if exc is None:
                 self.reply(msgid, f.result())
@@ -210,6 +247,7 @@ class Connection(asyncio.Protocol):
                     log.error("connection %d msgid %d: %r", self.id, msgid, exc)
                     exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
                 self.reply(msgid, error=exc)
+            self._drain()                # requests held while too many answers were pending
         future.add_done_callback(done)
 
     # job events (loop thread) -----------------------------------------------

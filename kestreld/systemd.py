@@ -65,11 +65,6 @@ class Notifier:
         return cls(_notify_address(value), usec)
 
     @property
-    def watchdog_interval_s(self) -> float:
-        """`watchdog_interval` as kestreld.main's ServiceHooks wants it: 0.0 when off."""
-        return self.watchdog_interval or 0.0
-
-    @property
     def enabled(self) -> bool:
         """True when there is a NOTIFY_SOCKET to talk to."""
         return self._sock is not None
@@ -106,11 +101,6 @@ class Notifier:
             if not self._warned:
                 log.warning("sd_notify to %r failed: %s", self.address, e)
                 self._warned = True
-
-
-def hooks_from_env(environ: MutableMapping[str, str]) -> Notifier:
-    """kestreld.main's hook factory: the Notifier for this process."""
-    return Notifier.from_environ(environ)
 
 
 def _positive_int(environ: MutableMapping[str, str], name: str) -> Optional[int]:

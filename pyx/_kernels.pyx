@@ -12,6 +12,7 @@ from libc.stdint cimport int8_t, uint8_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.math cimport sqrtf
 from cython.parallel cimport prange, threadid
+import numpy as np
 from ks_kernels cimport *
 
 
@@ -29,3 +30,5 @@ cdef int _check_threads(int nthreads) except -1:
 include "matmul_q8.pxi"
 include "elementwise.pxi"
 include "attention.pxi"
+include "moe.pxi"
+include "decode.pxi"

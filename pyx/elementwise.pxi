@@ -4,26 +4,6 @@ cdef enum:
     ELEMENTWISE_CHUNK = 4096    # elements per work item of the element-wise kernels
 
 
-cdef inline void _rmsnorm_row(const float *x, const float *w, float eps, float *out,
-                              Py_ssize_t d) noexcept nogil:
-    # 8 partial sums: the compiler vectorizes them, and they add less rounding than one sum
-    cdef float part[8]
-    cdef float ss = 0.0, inv
-    cdef Py_ssize_t i, j
-    for j in range(8):
-        part[j] = 0.0
-    for i in range(0, d - d % 8, 8):
-        for j in range(8):
-            part[j] += x[i + j] * x[i + j]
-    for i in range(d - d % 8, d):
-        part[0] += x[i] * x[i]
-    for j in range(8):
-        ss += part[j]
-    inv = <float>1.0 / sqrtf(ss / <float>d + eps)
-    for i in range(d):
-        out[i] = x[i] * inv * w[i]
-
-
 def rmsnorm(const float[:, ::1] x, const float[::1] w, float eps, float[:, ::1] out, int nthreads):
     """out (n, d) = x / sqrt(mean(x^2, row) + eps) * w (d); out may be x (in place).
 
@@ -37,7 +17,7 @@ def rmsnorm(const float[:, ::1] x, const float[::1] w, float eps, float[:, ::1] 
     if n == 0 or d == 0:
         return
     for i in prange(n, nogil=True, num_threads=nthreads, schedule="static"):
-        _rmsnorm_row(&x[i, 0], &w[0], eps, &out[i, 0], d)
+        ks_rmsnorm_row(&x[i, 0], &w[0], eps, &out[i, 0], d)
 
 
 def rope(float[:, :, ::1] x, const float[:, ::1] cos_t, const float[:, ::1] sin_t, int pos0,
@@ -47,11 +27,7 @@ def rope(float[:, :, ::1] x, const float[:, ::1] cos_t, const float[:, ::1] sin_
 
     neox: pairs (x[i], x[i + hd/2]) (Qwen3, HF Llama); else pairs (x[2i], x[2i+1]) (GGUF Llama)."""
     cdef Py_ssize_t n = x.shape[0], heads = x.shape[1], hd = x.shape[2], half = hd // 2
-    cdef Py_ssize_t it, i, t
-    cdef float c, s, x0, x1
-    cdef float *row
-    cdef const float *ct
-    cdef const float *st
+    cdef Py_ssize_t it, t
     _check_threads(nthreads)
     if hd % 2:
         raise ValueError(f"rope: head_dim must be even, got {hd}")
@@ -65,22 +41,7 @@ def rope(float[:, :, ::1] x, const float[:, ::1] cos_t, const float[:, ::1] sin_
         return
     for it in prange(n * heads, nogil=True, num_threads=nthreads, schedule="static"):
         t = it // heads
-        row = &x[t, it % heads, 0]
-        ct = &cos_t[pos0 + t, 0]
-        st = &sin_t[pos0 + t, 0]
-        for i in range(half):
-            c = ct[i]
-            s = st[i]
-            if neox:
-                x0 = row[i]
-                x1 = row[i + half]
-                row[i] = x0 * c - x1 * s
-                row[i + half] = x0 * s + x1 * c
-            else:
-                x0 = row[2 * i]
-                x1 = row[2 * i + 1]
-                row[2 * i] = x0 * c - x1 * s
-                row[2 * i + 1] = x0 * s + x1 * c
+        ks_rope_row(&x[t, it % heads, 0], &cos_t[pos0 + t, 0], &sin_t[pos0 + t, 0], hd, neox)
 
 
 def swiglu(const float[:, ::1] gate, const float[:, ::1] up, float[:, ::1] out, int nthreads):

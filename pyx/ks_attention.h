@@ -23,12 +23,16 @@
 /* x (hd) -> q (hd) int8 with one scale: s = absmax / 127, q = roundf(x / s); returns s. */
 static inline float ks_quantize_head(const float *restrict x, int8_t *restrict q, int hd)
 {
-    float amax = 0.0f;
-    for (int d = 0; d < hd; d++)
-        amax = fmaxf(amax, fabsf(x[d]));
-    const float s = amax / 127.0f;
-    for (int d = 0; d < hd; d++)
-        q[d] = s != 0.0f ? (int8_t)ks_round_half_away(x[d] / s) : 0;
+    const float s = ks_absmax(x, hd) / 127.0f;
+    if (s == 0.0f) {
+        memset(q, 0, hd);
+        return s;
+    }
+    int d = 0;
+    for (; d + 8 <= hd; d += 8)
+        ks_v8_round_i8(ks_v8_load(x + d) / s, q + d);
+    for (; d < hd; d++)
+        q[d] = (int8_t)ks_round_half_away(x[d] / s);
     return s;
 }
 

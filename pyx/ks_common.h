@@ -129,6 +129,8 @@ static inline ks_v8 ks_v8_select(ks_v8i mask, ks_v8 a, ks_v8 b)
 
 static inline ks_v8 ks_v8_max(ks_v8 a, ks_v8 b) { return ks_v8_select(a > b, a, b); }
 
+static inline ks_v8 ks_v8_abs(ks_v8 v) { return (ks_v8)((ks_v8i)v & 0x7fffffff); }
+
 static inline float ks_v8_hmax(ks_v8 v)
 {
     float r = v[0];
@@ -154,6 +156,32 @@ static inline ks_v8 ks_v8_hsum8(const ks_v8 p[8])
              + KS_SHUFFLE2(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
     return KS_SHUFFLE2(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11)
          + KS_SHUFFLE2(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* max |x[i]| over n floats. In vector registers: fmaxf in a loop does not vectorize (NaN
+ * rules) and may even be a libm call. */
+static inline float ks_absmax(const float *x, int n)
+{
+    ks_v8 m = ks_v8_set1(0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        m = ks_v8_max(m, ks_v8_abs(ks_v8_load(x + i)));
+    float r = ks_v8_hmax(m);
+    for (; i < n; i++)
+        r = fabsf(x[i]) > r ? fabsf(x[i]) : r;
+    return r;
+}
+
+/* q[0..8) = (int8) ks_round_half_away(v) lane by lane, for |v| <= 127.5: trunc through int32 is
+ * exact there, so this equals the scalar rounding. */
+static inline void ks_v8_round_i8(ks_v8 v, int8_t *q)
+{
+    const ks_v8i ti = __builtin_convertvector(v, ks_v8i);
+    const ks_v8 frac = v - __builtin_convertvector(ti, ks_v8);
+    const ks_v8i away = (ks_v8i)(ks_v8_abs(frac) >= 0.5f);     /* all ones where it rounds */
+    const ks_v8i r = ti + (away & ((ks_v8i)(v < 0.0f) | 1));   /* +-1 in v's direction */
+    for (int u = 0; u < 8; u++)
+        q[u] = (int8_t)r[u];
 }
 
 /* exp(x) for softmax weights and SiLU: Cephes polynomial, about 2 ulp on [-87, 88], exactly 0

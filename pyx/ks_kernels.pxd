@@ -37,3 +37,51 @@ cdef extern from "ks_attention.h" nogil:
                              float scale, int kv_bs, int split, int c, int g, float *scratch)
     void ks_attn_decode_merge(const float *parts, float *out, int n_heads, int n_kv, int hd,
                               int nsplit, int h)
+
+
+cdef extern from "ks_rows.h" nogil:
+    void ks_rmsnorm_row(const float *x, const float *w, float eps, float *out, int64_t d)
+    void ks_rope_row(float *row, const float *ct, const float *st, int64_t hd, int neox)
+
+
+cdef extern from "ks_decode.h" nogil:
+    ctypedef struct ks_layer:
+        const uint8_t *wq
+        const uint8_t *wk
+        const uint8_t *wv
+        const uint8_t *wo
+        const uint8_t *w_gate
+        const uint8_t *w_up
+        const uint8_t *w_down
+        const float *attn_norm
+        const float *ffn_norm
+        const float *q_norm
+        const float *k_norm
+        int8_t *kq
+        int8_t *vq
+        float *ks
+        float *vs
+    ctypedef struct ks_model:
+        int n_layers, hidden, n_heads, n_kv, hd, ffn, vocab, max_seq, kv_bs, neox
+        float eps, scale
+        const ks_layer *layers
+        const uint8_t *tok_embd
+        const uint8_t *output
+        const float *out_norm
+        const float *cos_t
+        const float *sin_t
+        float *x
+        float *xn
+        float *q
+        float *k
+        float *v
+        float *att
+        float *proj
+        float *gate
+        float *up
+        float *xd
+        int8_t *xq
+        float *attn_scratch
+        float *attn_parts
+    int KS_ATTN_SPLIT_MAX
+    void ks_decode_step(const ks_model *M, int token, int pos, float *logits, int nthreads)

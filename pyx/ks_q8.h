@@ -27,13 +27,10 @@ static inline void ks_quantize_row_q8_0(const float *restrict x, int8_t *restric
 {
     for (int b = 0; b < k / KS_QK; b++) {
         const float *xb = x + b * KS_QK;
-        float amax = 0.0f;
-        for (int j = 0; j < KS_QK; j++)
-            amax = fmaxf(amax, fabsf(xb[j]));
-        const float db = amax / 127.0f;
+        const float db = ks_absmax(xb, KS_QK) / 127.0f;
         const float id = db != 0.0f ? 1.0f / db : 0.0f;
-        for (int j = 0; j < KS_QK; j++)
-            q[b * KS_QK + j] = (int8_t)ks_round_half_away(xb[j] * id);
+        for (int j = 0; j < KS_QK; j += 8)
+            ks_v8_round_i8(ks_v8_load(xb + j) * id, q + b * KS_QK + j);
         d[b] = db;
     }
 }
@@ -87,6 +84,7 @@ static void ks_q8_matmul_rows_plain(const uint8_t *w, int64_t w_stride, const in
 
 #if defined(KS_AVX2) || defined(KS_NEON_DOT) || defined(KS_NEON)
 #define KS_HAVE_SIMD_MATMUL 1
+#define KS_PREFILL_TOKEN_BLOCK 32   /* tokens whose activations stay in L2 while rows stream */
 #define KS_INLINE static inline __attribute__((always_inline))
 
 #if defined(KS_AVX2)
@@ -227,7 +225,138 @@ KS_INLINE void ks_q8_store_tile(const int R, const int T, const float res[8], fl
             out[(int64_t)(t + j) * m + r + i] = res[j * R + i];
 }
 
-#define KS_PREFILL_TOKEN_BLOCK 32   /* tokens whose activations stay in L2 while rows stream */
+
+#if defined(KS_AVX2) && defined(__GNUC__)
+/* ---- prefill with AVX512-VNNI (runtime-dispatched; the build's baseline stays AVX2) --------
+ * A tile of 8 rows x 4 tokens. The 8 rows' 32-byte blocks are transposed as 8 x 8 dwords, so
+ * lane i of every vector belongs to row i: vpdpbusd with a broadcast 4-byte chunk of a token
+ * then adds row i's chunk product into lane i, and a block's 8 exact row sums come out with no
+ * horizontal adds. vpdpbusd multiplies unsigned by signed bytes: the weights are flipped to
+ * w + 128 (xor 0x80) and the sum starts at -128 * sum(x) of the block, so it is exact. The
+ * float side is the same fma(isum, dw * dx, acc) per block, in order: bit-identical. */
+#define KS_HAVE_VNNI 1
+#define KS_VNNI_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f")))
+#define KS_VNNI_TOKENS 4
+
+static int ks_vnni_state = -1;   /* -1 unknown; set once (racing threads write the same value) */
+
+static inline int ks_use_vnni(void)
+{
+    if (ks_vnni_state < 0) {
+        __builtin_cpu_init();
+        ks_vnni_state = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    }
+    return ks_vnni_state;
+}
+
+KS_VNNI_TARGET static inline __attribute__((always_inline))
+__m256i ks_bcast_chunk(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* res[j * 8 + i] = out value of row i, token j; rows >= rv / tokens >= tv repeat the last valid
+ * one. xs[t * nb + b] = -128 * (sum of token t's block b). */
+KS_VNNI_TARGET static inline __attribute__((always_inline))
+void ks_q8_tile_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
+                     const float *xd, const int32_t *xs, int tv, int nb, float res[32])
+{
+    enum { T = KS_VNNI_TOKENS };
+    const uint8_t *wp[8];
+    const int8_t *xp[T];
+    const float *dp[T];
+    const int32_t *sp[T];
+    for (int i = 0; i < 8; i++)
+        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
+    for (int j = 0; j < T; j++) {
+        const int64_t jt = j < tv ? j : tv - 1;
+        xp[j] = x + jt * nb * KS_QK;
+        dp[j] = xd + jt * nb;
+        sp[j] = xs + jt * nb;
+    }
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[T];
+    for (int j = 0; j < T; j++)
+        acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i r[8], t[8], u[8], c[8];
+        uint16_t h[8];
+        for (int i = 0; i < 8; i++) {
+            r[i] = _mm256_xor_si256(
+                _mm256_loadu_si256((const __m256i *)(wp[i] + b * KS_QBLOCK + 2)), flip);
+            h[i] = ks_load_u16le(wp[i] + b * KS_QBLOCK);
+        }
+        /* 8 x 8 dword transpose: c[q] lane i = row i's dword ch[q] (ch = 0 4 1 5 2 6 3 7) */
+        for (int i = 0; i < 4; i++) {
+            t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        for (int g = 0; g < 2; g++) {
+            u[4 * g + 0] = _mm256_unpacklo_epi64(t[4 * g + 0], t[4 * g + 2]);
+            u[4 * g + 1] = _mm256_unpackhi_epi64(t[4 * g + 0], t[4 * g + 2]);
+            u[4 * g + 2] = _mm256_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+            u[4 * g + 3] = _mm256_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+        }
+        for (int q = 0; q < 4; q++) {
+            c[2 * q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);      /* dword q */
+            c[2 * q + 1] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);  /* dword q + 4 */
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
+            h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+        for (int j = 0; j < T; j++) {
+            const int8_t *xb = xp[j] + b * KS_QK;
+            __m256i s0 = _mm256_set1_epi32(sp[j][b]), s1 = _mm256_setzero_si256();
+            for (int q = 0; q < 4; q++) {
+                s0 = _mm256_dpbusd_epi32(s0, c[2 * q], ks_bcast_chunk(xb + 4 * q));
+                s1 = _mm256_dpbusd_epi32(s1, c[2 * q + 1], ks_bcast_chunk(xb + 4 * q + 16));
+            }
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+            const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dp[j][b]));
+#if defined(KS_HAS_FMA)
+            acc[j] = _mm256_fmadd_ps(isum, d, acc[j]);
+#else
+            acc[j] = _mm256_add_ps(_mm256_mul_ps(isum, d), acc[j]);
+#endif
+        }
+    }
+    for (int j = 0; j < T; j++)
+        _mm256_storeu_ps(res + 8 * j, acc[j]);
+}
+
+/* ks_q8_matmul_rows for n > 1 on AVX512-VNNI CPUs. */
+KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_stride,
+                                                  const int8_t *xq, const float *xd, int n,
+                                                  int k, float *out, int m, int r0, int r1)
+{
+    const int nb = k / KS_QK;
+    int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
+    float res[8 * KS_VNNI_TOKENS];
+    for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
+        const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
+        for (int t = tb; t < te; t++)
+            for (int b = 0; b < nb; b++) {
+                const int8_t *xb = xq + (int64_t)t * k + b * KS_QK;
+                int32_t sum = 0;
+                for (int e = 0; e < KS_QK; e++)
+                    sum += xb[e];
+                xs[(t - tb) * nb + b] = -128 * sum;
+            }
+        for (int r = r0; r < r1; r += 8) {
+            const int rv = r1 - r < 8 ? r1 - r : 8;
+            for (int t = tb; t < te; t += KS_VNNI_TOKENS) {
+                const int tv = te - t < KS_VNNI_TOKENS ? te - t : KS_VNNI_TOKENS;
+                ks_q8_tile_vnni(w + (int64_t)r * w_stride, w_stride, rv, xq + (int64_t)t * k,
+                                xd + (int64_t)t * nb, xs + (t - tb) * nb, tv, nb, res);
+                for (int j = 0; j < tv; j++)
+                    for (int i = 0; i < rv; i++)
+                        out[(int64_t)(t + j) * m + r + i] = res[j * 8 + i];
+            }
+        }
+    }
+}
+#endif
 
 /* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: tiles
  * of 4 rows x 2 tokens, so each weight block loaded feeds 2 tokens and each activation block
@@ -245,6 +374,12 @@ static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *
         }
         return;
     }
+#if defined(KS_HAVE_VNNI)
+    if (ks_use_vnni()) {
+        ks_q8_matmul_rows_vnni(w, w_stride, xq, xd, n, k, out, m, r0, r1);
+        return;
+    }
+#endif
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         for (int r = r0; r < r1; r += 4) {

@@ -1,5 +1,5 @@
-"""An independent float64 numpy forward pass for Qwen3 and Llama: the oracle the engine is
-judged against. Written from the architectures' math on Hugging Face weight layouts
+"""An independent float64 numpy forward pass for Qwen3, Qwen3-MoE and Llama: the oracle the
+engine is judged against. Written from the architectures' math on Hugging Face weight layouts
 (rotate-half RoPE), not from the engine's code.
 
     logits = forward(weights, config, ids)                       # exact math on the weights
@@ -7,13 +7,15 @@ judged against. Written from the architectures' math on Hugging Face weight layo
                      kv_int8=True, act_q8=True)                  # computes with
 
 `weights` is a dict of arrays in HF naming (model.embed_tokens.weight, model.layers.N.*,
-model.norm.weight, lm_head.weight absent when tied); `config` is the HF config.json dict.
+model.norm.weight, lm_head.weight absent when tied; Qwen3-MoE: mlp.gate.weight and
+mlp.experts.J.*_proj.weight per expert); `config` is the HF config.json dict.
 """
 from __future__ import annotations
 
 import numpy as np
 
 Q8_BLOCK = 32
+ROUTER_SUFFIX = ".mlp.gate.weight"   # Qwen3-MoE router (E, hidden)
 
 
 # ---------------------------------------------------------------- quantization emulation
@@ -45,11 +47,12 @@ def q8_0_round(x: np.ndarray, fp16_scale: bool = True) -> np.ndarray:
 
 def quantize_weights(weights: dict[str, np.ndarray], via_f16: bool = False) -> dict[str, np.ndarray]:
     """Every 2-D matrix (embedding included) rounded through Q8_0 along its input dim, as the
-    engine holds it; 1-D norm weights unchanged. via_f16: the source file held F16, so the
-    values are rounded to fp16 first (a F16 GGUF converted to Q8_0 at load)."""
+    engine holds it; 1-D norm weights and MoE routers (kept float) unchanged. via_f16: the
+    source file held F16, so the values are rounded to fp16 first (a F16 GGUF converted to
+    Q8_0 at load)."""
     out = {}
     for name, w in weights.items():
-        if w.ndim == 2:
+        if w.ndim == 2 and not name.endswith(ROUTER_SUFFIX):
             out[name] = q8_0_round(w.astype(np.float16) if via_f16 else w)
         else:
             out[name] = np.asarray(w, np.float64)
@@ -106,18 +109,52 @@ def causal_gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndar
     return out.reshape(n, n_heads * d)
 
 
+def is_moe_layer(config: dict, i: int) -> bool:
+    """Transformers' Qwen3MoeDecoderLayer rule: experts unless in mlp_only_layers, and only
+    every decoder_sparse_step-th layer."""
+    return (config["model_type"] == "qwen3_moe" and i not in config.get("mlp_only_layers", ())
+            and config["num_experts"] > 0 and (i + 1) % config.get("decoder_sparse_step", 1) == 0)
+
+
+def moe_ffn(h: np.ndarray, prefix: str, config: dict, W, linear, routing=None) -> np.ndarray:
+    """Qwen3-MoE sparse feed-forward of h (n, hidden): router softmax over experts (exact
+    float, activation not rounded), the top-k by probability (ties: lower index), weights
+    divided by their sum when norm_topk_prob, each token through its k SwiGLU experts, the
+    outputs summed with those weights. `routing`: a list that gets the (n, k) choice."""
+    k = config["num_experts_per_tok"]
+    logits = h @ W(prefix + "mlp.gate.weight").T                   # (n, E)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]          # (n, k)
+    w = np.take_along_axis(probs, top, axis=-1)
+    if config.get("norm_topk_prob", False):
+        w = w / w.sum(axis=-1, keepdims=True)
+    if routing is not None:
+        routing.append(top)
+    out = np.zeros_like(h)
+    for e in np.unique(top):
+        tok, slot = np.nonzero(top == e)                              # each token at most once
+        p = f"{prefix}mlp.experts.{e}."
+        gate = linear(h[tok], p + "gate_proj.weight")
+        up = linear(h[tok], p + "up_proj.weight")
+        out[tok] += w[tok, slot, None] * linear(gate / (1.0 + np.exp(-gate)) * up,
+                                                 p + "down_proj.weight")
+    return out
+
+
 # ---------------------------------------------------------------- model
 
 def forward(weights: dict[str, np.ndarray], config: dict, ids, *, kv_int8: bool = False,
-            act_q8: bool = False) -> np.ndarray:
+            act_q8: bool = False, routing: list | None = None) -> np.ndarray:
     """Logits (n_tokens, vocab) float64 for token ids at positions 0..n-1.
 
     kv_int8: round K (after norm and RoPE) and V through the int8 KV cache.
     act_q8: round each matmul's input through Q8_0 with a float32 scale (what the engine's
     Q8_0 x Q8_0 product sees). Activation rounding is discontinuous: a last-bit difference
-    upstream redraws it, so this is the same arithmetic, not the same numbers, as the engine's."""
+    upstream redraws it, so this is the same arithmetic, not the same numbers, as the engine's.
+    routing: a list that gets each MoE layer's (n, k) expert choice, in layer order."""
     arch = config["model_type"]
-    if arch not in ("qwen3", "llama"):
+    if arch not in ("qwen3", "qwen3_moe", "llama"):
         raise ValueError(f"reference.forward: unsupported model_type {arch!r}")
     hidden = config["hidden_size"]
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -139,7 +176,7 @@ def forward(weights: dict[str, np.ndarray], config: dict, ids, *, kv_int8: bool 
         q = linear(h, p + "self_attn.q_proj.weight").reshape(n, n_heads, hd)
         k = linear(h, p + "self_attn.k_proj.weight").reshape(n, n_kv, hd)
         v = linear(h, p + "self_attn.v_proj.weight").reshape(n, n_kv, hd)
-        if arch == "qwen3":   # per-head RMSNorm on q and k, before RoPE
+        if arch != "llama":   # Qwen3: per-head RMSNorm on q and k, before RoPE
             q = rms_norm(q, W(p + "self_attn.q_norm.weight"), eps)
             k = rms_norm(k, W(p + "self_attn.k_norm.weight"), eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -147,6 +184,9 @@ def forward(weights: dict[str, np.ndarray], config: dict, ids, *, kv_int8: bool 
             k, v = int8_round_heads(k), int8_round_heads(v)
         x = x + linear(causal_gqa_attention(q, k, v), p + "self_attn.o_proj.weight")
         h = rms_norm(x, W(p + "post_attention_layernorm.weight"), eps)
+        if is_moe_layer(config, i):
+            x = x + moe_ffn(h, p, config, W, linear, routing)
+            continue
         gate = linear(h, p + "mlp.gate_proj.weight")
         up = linear(h, p + "mlp.up_proj.weight")
         x = x + linear(gate / (1.0 + np.exp(-gate)) * up, p + "mlp.down_proj.weight")

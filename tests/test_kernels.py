@@ -378,3 +378,75 @@ def test_attention_rejects_bad_arguments():
                     np.empty((2, 3, 64), np.float32), 1)
     with pytest.raises(ValueError, match="out must be"):
         K.attention(q, *kv, 0, 0.125, 32, out[:1], 1)
+
+
+# ---- the fused decode step ------------------------------------------------------------------
+
+def tiny_model(rng, qwen):
+    """A random dense model (Qwen3-like: q/k norms, NeoX RoPE, untied; else Llama-like)."""
+    from types import SimpleNamespace
+    from kestreld.engine.model import LayerWeights, ModelConfig, ModelWeights, Q8Matrix
+    hidden, n_heads, n_kv, hd, ffn, vocab = 128, 4, 2, 32, 192, 300
+    cfg = ModelConfig(arch="qwen3" if qwen else "llama", name="tiny", n_layers=2, hidden=hidden,
+                      n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd, ffn=ffn, vocab=vocab,
+                      rope_theta=10000.0, norm_eps=1e-6, tied_embeddings=not qwen, qk_norm=qwen,
+                      rope_neox=qwen, context_length=4096)
+
+    def q8(rows, cols):
+        return Q8Matrix(make_q8_weights(rng, rows, cols)[0], rows, cols)
+
+    def norm(d):
+        return rng.uniform(0.5, 1.5, d).astype(np.float32)
+
+    layers = [LayerWeights(attn_norm=norm(hidden), wq=q8(n_heads * hd, hidden),
+                           wk=q8(n_kv * hd, hidden), wv=q8(n_kv * hd, hidden),
+                           wo=q8(hidden, n_heads * hd), q_norm=norm(hd) if qwen else None,
+                           k_norm=norm(hd) if qwen else None, ffn_norm=norm(hidden),
+                           w_gate=q8(ffn, hidden), w_up=q8(ffn, hidden), w_down=q8(hidden, ffn))
+              for _ in range(cfg.n_layers)]
+    embd = q8(vocab, hidden)
+    weights = ModelWeights(tok_embd=embd, layers=layers, out_norm=norm(hidden),
+                           output=q8(vocab, hidden) if qwen else embd)
+    return SimpleNamespace(config=cfg, weights=weights)
+
+
+@pytest.mark.parametrize("qwen", [True, False])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_decode_step_equals_the_per_kernel_path_bit_for_bit(qwen, nthreads):
+    """Transformer.forward on one token takes K.DecodeStep (all layers in one call); with
+    logits_out it takes the per-kernel path. Same logits and same stored KV, bit for bit, at
+    depths with one and with several attention splits."""
+    from kestreld.engine.arena import KVArena
+    from kestreld.engine.forward import Transformer
+    rng = np.random.default_rng(11)
+    model = tiny_model(rng, qwen)
+    c = model.config
+    arenas = [KVArena(c.n_layers, c.n_kv_heads, c.head_dim, 1024, 32) for _ in range(2)]
+    fused, per_kernel = (Transformer(model, a, 64, nthreads) for a in arenas)
+    assert fused.decode_step is not None
+    prompt = rng.integers(0, c.vocab, size=600).tolist()
+    for tr in (fused, per_kernel):
+        for p0 in range(0, 600, 64):
+            tr.forward(prompt[p0:p0 + 64], p0)
+    logits = np.empty((1, c.vocab), np.float32)
+    for pos, tok in zip([600, 601, 602], rng.integers(0, c.vocab, size=3).tolist()):
+        got = fused.forward([tok], pos).copy()
+        per_kernel.forward([tok], pos, logits_out=logits)
+        assert np.array_equal(got, logits), np.abs(got - logits).max()
+        assert np.isfinite(got).all() and got.std() > 0
+    for a, b in zip(arenas[0].layer(1), arenas[1].layer(1)):
+        assert np.array_equal(a[:, :603], b[:, :603])
+
+
+def test_decode_step_rejects_bad_arguments():
+    from kestreld.engine.arena import KVArena
+    from kestreld.engine.forward import Transformer
+    model = tiny_model(np.random.default_rng(1), True)
+    c = model.config
+    tr = Transformer(model, KVArena(c.n_layers, c.n_kv_heads, c.head_dim, 256, 32), 16, 1)
+    with pytest.raises(ValueError, match="token"):
+        tr.decode_step.step(c.vocab, 0, tr.logits)
+    with pytest.raises(ValueError, match="position"):
+        tr.decode_step.step(0, 256, tr.logits)
+    with pytest.raises(ValueError, match="logits"):
+        tr.decode_step.step(0, 0, np.zeros((1, c.vocab + 1), np.float32))

@@ -15,15 +15,15 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
 from ..errors import ModelLoadError
-from .model import Q8_BLOCK, ModelConfig, Q8Matrix
+from .model import Q8_BLOCK, ModelConfig, Q8Experts, Q8Matrix
 from .quant import SUPPORTED_TYPES, dequantize_gguf, gguf_to_q8_0
 from .tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
-SUPPORTED_ARCHS = ("llama", "qwen3")
-_DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen3": 1000000.0}
-_DEFAULT_NORM_EPS = {"llama": 1e-5, "qwen3": 1e-6}
+SUPPORTED_ARCHS = ("llama", "qwen3", "qwen3moe")
+_DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen3": 1000000.0, "qwen3moe": 1000000.0}
+_DEFAULT_NORM_EPS = {"llama": 1e-5, "qwen3": 1e-6, "qwen3moe": 1e-6}
 
 # Weight role -> GGUF tensor name ({i}: layer index).
 TENSOR_NAMES = {
@@ -39,6 +39,10 @@ TENSOR_NAMES = {
     "w_gate": "blk.{i}.ffn_gate.weight",
     "w_up": "blk.{i}.ffn_up.weight",
     "w_down": "blk.{i}.ffn_down.weight",
+    "router": "blk.{i}.ffn_gate_inp.weight",       # MoE: (n_expert, hidden)
+    "gate_exps": "blk.{i}.ffn_gate_exps.weight",   # MoE: (n_expert, expert_ffn, hidden)
+    "up_exps": "blk.{i}.ffn_up_exps.weight",
+    "down_exps": "blk.{i}.ffn_down_exps.weight",   # MoE: (n_expert, hidden, expert_ffn)
     "out_norm": "output_norm.weight",
     "output": "output.weight",
 }
@@ -112,26 +116,49 @@ class GGUFSource:
         hidden = int(self._meta(f"{arch}.embedding_length"))
         n_heads = int(self._meta(f"{arch}.attention.head_count"))
         embd = self._tensor(TENSOR_NAMES["tok_embd"])
+        n_layers = int(self._meta(f"{arch}.block_count"))
+        moe = arch == "qwen3moe"
+        ffn = int(self._meta(f"{arch}.feed_forward_length", 0 if moe else ...))
         return ModelConfig(
             arch=arch,
             name=str(self._meta("general.name", os.path.basename(self.path))),
-            n_layers=int(self._meta(f"{arch}.block_count")),
+            n_layers=n_layers,
             hidden=hidden,
             n_heads=n_heads,
             n_kv_heads=int(self._meta(f"{arch}.attention.head_count_kv", n_heads)),
             head_dim=int(self._meta(f"{arch}.attention.key_length", hidden // n_heads)),
-            ffn=int(self._meta(f"{arch}.feed_forward_length")),
+            ffn=ffn,
             vocab=int(embd.shape[1]) if len(embd.shape) == 2 else 0,
             rope_theta=float(self._meta(f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA[arch])),
             norm_eps=float(self._meta(f"{arch}.attention.layer_norm_rms_epsilon",
                                       _DEFAULT_NORM_EPS[arch])),
             tied_embeddings=TENSOR_NAMES["output"] not in self._tensors,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe"),
             # llama.cpp's converter permutes Llama's Q/K rows for adjacent-pair rotation;
             # Qwen3 GGUFs keep the Hugging Face (rotate-halves) order.
             rope_neox=arch != "llama",
             context_length=int(self._meta(f"{arch}.context_length", 0)),
             n_params=sum(int(t.n_elements) for t in self._reader.tensors),
+            **(self._moe_hyperparameters(arch, n_layers, ffn) if moe else {}),
+        )
+
+    def _moe_hyperparameters(self, arch: str, n_layers: int, ffn: int) -> dict:
+        """Expert counts and sizes as llama.cpp reads them for qwen3moe: expert FFN defaults
+        to feed_forward_length / expert_used_count, and the top-k weights are renormalized
+        (llama.cpp's qwen3moe graph always does; `expert_weights_norm` can say otherwise).
+        A layer is MoE when it has a router tensor, else it must have a dense FFN."""
+        n_experts = int(self._meta(f"{arch}.expert_count"))
+        n_used = int(self._meta(f"{arch}.expert_used_count"))
+        if not 0 < n_used <= n_experts:
+            raise ValueError(f"expert_used_count {n_used} must be in 1..expert_count={n_experts}")
+        expert_ffn = int(self._meta(f"{arch}.expert_feed_forward_length", ffn // n_used))
+        if expert_ffn <= 0:
+            raise ValueError(f"no {arch}.expert_feed_forward_length (and no feed_forward_length)")
+        return dict(
+            n_experts=n_experts, n_experts_used=n_used, expert_ffn=expert_ffn,
+            norm_topk_prob=bool(self._meta(f"{arch}.expert_weights_norm", True)),
+            moe_layers=tuple(i for i in range(n_layers)
+                             if self.name("router", i) in self._tensors),
         )
 
     def _dominant_type(self) -> str:
@@ -145,7 +172,7 @@ class GGUFSource:
     def all_q8_0(self) -> bool:
         """True when every matrix is Q8_0 already (usable in place, nothing to convert)."""
         return all(t.tensor_type == GGMLQuantizationType.Q8_0
-                   for t in self._reader.tensors if len(t.shape) >= 2)
+                   for t in self._reader.tensors if len(t.shape) >= 2 and not _is_router(t.name))
 
     # ---- tensors ----------------------------------------------------------------------
 
@@ -177,6 +204,33 @@ class GGUFSource:
         data = np.asarray(t.data).reshape(rows, -1)
         return Q8Matrix(gguf_to_q8_0(data, t.tensor_type), rows, cols)
 
+    def experts(self, role: str, layer: int, n_expert: int, rows: int, cols: int) -> Q8Experts:
+        """The stacked (n_expert, rows, cols) expert matrices for `role` as Q8_0 (in place,
+        one view of the memory map, when the file holds Q8_0)."""
+        name = self.name(role, layer)
+        t = self._tensor(name)
+        got = tuple(int(d) for d in reversed(t.shape))
+        if got != (n_expert, rows, cols):
+            raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
+                                 f"got {got}, want {(n_expert, rows, cols)}")
+        if cols % Q8_BLOCK:
+            raise ModelLoadError(f"{self.path}: tensor {name} has {cols} columns, "
+                                 f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
+        data = np.asarray(t.data).reshape(n_expert * rows, -1)
+        q8 = gguf_to_q8_0(data, t.tensor_type)
+        return Q8Experts(q8.reshape(n_expert, rows, -1), n_expert, rows, cols)
+
+    def float_matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> np.ndarray:
+        """The (rows, cols) matrix for `role` as float32 (a copy; small matrices only)."""
+        name = self.name(role, layer)
+        t = self._tensor(name)
+        got = tuple(int(d) for d in reversed(t.shape))
+        if got != (rows, cols):
+            raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
+                                 f"got {got}, want {(rows, cols)}")
+        return np.array(dequantize_gguf(t.data, t.tensor_type).reshape(rows, cols),
+                        dtype=np.float32)
+
     def vector(self, role: str, layer: Optional[int], n: int) -> np.ndarray:
         """The float32 (n,) vector for `role` (a norm weight)."""
         name = self.name(role, layer)
@@ -187,6 +241,12 @@ class GGUFSource:
                                  f"got {got}, want {(n,)}")
         # a copy: small, writable, and independent of the map
         return np.array(dequantize_gguf(t.data, t.tensor_type).reshape(n), dtype=np.float32)
+
+
+def _is_router(name: str) -> bool:
+    """MoE router tensors stay float in Q8_0 files (llama.cpp's converter and quantizer
+    keep them F32), and are read as float32."""
+    return name.endswith(".ffn_gate_inp.weight")
 
 
 def open_gguf(path: str) -> GGUFReader:

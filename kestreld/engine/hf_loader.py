@@ -15,11 +15,12 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ModelLoadError
-from .model import Q8_BLOCK, ModelConfig, Q8Matrix
+from .model import Q8_BLOCK, Q8_BLOCK_BYTES, ModelConfig, Q8Experts, Q8Matrix
 from .quant import bf16_to_f32, float_to_q8_0
 from .tokenizer import Tokenizer
 
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
+                 "LlamaForCausalLM": "llama"}
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # BF16 as raw bits
 _MAX_HEADER_BYTES = 100 << 20
 
@@ -37,6 +38,11 @@ TENSOR_NAMES = {
     "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
     "w_up": "model.layers.{i}.mlp.up_proj.weight",
     "w_down": "model.layers.{i}.mlp.down_proj.weight",
+    "router": "model.layers.{i}.mlp.gate.weight",
+    # one tensor per expert ({e}), as Qwen3-MoE checkpoints are published
+    "gate_exps": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "up_exps": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    "down_exps": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
     "out_norm": "model.norm.weight",
     "output": "lm_head.weight",
 }
@@ -197,23 +203,43 @@ class HFSource:
                 head_dim=int(hf.get("head_dim") or hidden // n_heads),
                 ffn=int(need("intermediate_size")),
                 vocab=int(need("vocab_size")),
-                rope_theta=float(hf.get("rope_theta", 1000000.0 if arch == "qwen3" else 10000.0)),
+                rope_theta=float(hf.get("rope_theta", 10000.0 if arch == "llama" else 1000000.0)),
                 norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 tied_embeddings=tied,
-                qk_norm=arch == "qwen3",
+                qk_norm=arch in ("qwen3", "qwen3moe"),
                 rope_neox=True,  # Hugging Face weights rotate halves (rotate_half)
                 context_length=int(hf.get("max_position_embeddings", 0)),
                 n_params=sum(int(np.prod(t.shape)) for name, t in self._tensors.items()
                              if not (tied and name == TENSOR_NAMES["output"])),
+                **(self._moe_hyperparameters(hf, need) if arch == "qwen3moe" else {}),
             )
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{self._config_file}: bad value: {e}") from None
 
+    @staticmethod
+    def _moe_hyperparameters(hf: dict, need) -> dict:
+        """Qwen3MoeConfig's expert fields, with its defaults. Layer i is MoE unless it is in
+        mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step (as
+        transformers' Qwen3MoeDecoderLayer decides); other layers have a dense FFN."""
+        n_layers, n_experts = int(need("num_hidden_layers")), int(need("num_experts"))
+        n_used = int(need("num_experts_per_tok"))
+        if not 0 < n_used <= n_experts:
+            raise ValueError(f"num_experts_per_tok {n_used} must be in 1..num_experts={n_experts}")
+        step = int(hf.get("decoder_sparse_step", 1))
+        dense = {int(i) for i in hf.get("mlp_only_layers") or ()}
+        return dict(
+            n_experts=n_experts, n_experts_used=n_used,
+            expert_ffn=int(need("moe_intermediate_size")),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_layers=tuple(i for i in range(n_layers)
+                             if i not in dense and step > 0 and (i + 1) % step == 0),
+        )
+
     # ---- tensors ----------------------------------------------------------------------
 
     def name(self, role: str, layer: Optional[int] = None) -> str:
-        """The directory's tensor name for a weight role."""
-        return TENSOR_NAMES[role].format(i=layer)
+        """The directory's tensor name for a weight role (experts: `*` for the expert)."""
+        return TENSOR_NAMES[role].format(i=layer, e="*")
 
     def _tensor(self, name: str, want: tuple) -> _Tensor:
         t = self._tensors.get(name)
@@ -232,6 +258,23 @@ class HFSource:
             raise ModelLoadError(f"{t.file}: tensor {name} has {cols} columns, "
                                  f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
         return Q8Matrix(float_to_q8_0(t.data, bf16=t.dtype == "BF16"), rows, cols)
+
+    def experts(self, role: str, layer: int, n_expert: int, rows: int, cols: int) -> Q8Experts:
+        """The n_expert per-expert (rows, cols) tensors of `role`, converted to Q8_0 and
+        stacked (n_expert, rows, cols/32*34)."""
+        if cols % Q8_BLOCK:
+            raise ModelLoadError(f"{self.path}: {self.name(role, layer)} has {cols} columns, "
+                                 f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
+        out = np.empty((n_expert, rows, cols // Q8_BLOCK * Q8_BLOCK_BYTES), dtype=np.uint8)
+        for e in range(n_expert):
+            t = self._tensor(TENSOR_NAMES[role].format(i=layer, e=e), (rows, cols))
+            out[e] = float_to_q8_0(t.data, bf16=t.dtype == "BF16")
+        return Q8Experts(out, n_expert, rows, cols)
+
+    def float_matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> np.ndarray:
+        """The (rows, cols) matrix for `role` as float32 (a copy)."""
+        t = self._tensor(self.name(role, layer), (rows, cols))
+        return np.array(bf16_to_f32(t.data) if t.dtype == "BF16" else t.data, dtype=np.float32)
 
     def vector(self, role: str, layer: Optional[int], n: int) -> np.ndarray:
         """The float32 (n,) vector for `role` (a norm weight)."""

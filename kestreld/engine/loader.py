@@ -14,7 +14,7 @@ from ..errors import ModelLoadError
 from .convert import cached_q8_0, find_cached_q8_0
 from .gguf_loader import GGUFSource
 from .hf_loader import HFSource
-from .model import LayerWeights, LoadedModel, ModelConfig, ModelWeights
+from .model import LayerWeights, LoadedModel, ModelConfig, ModelWeights, MoEWeights
 
 log = logging.getLogger("kestreld")
 
@@ -75,9 +75,7 @@ def _assemble(src, c: ModelConfig) -> ModelWeights:
             q_norm=src.vector("q_norm", i, c.head_dim) if c.qk_norm else None,
             k_norm=src.vector("k_norm", i, c.head_dim) if c.qk_norm else None,
             ffn_norm=src.vector("ffn_norm", i, c.hidden),
-            w_gate=src.matrix("w_gate", i, c.ffn, c.hidden),
-            w_up=src.matrix("w_up", i, c.ffn, c.hidden),
-            w_down=src.matrix("w_down", i, c.hidden, c.ffn),
+            **(_moe_ffn(src, c, i) if i in c.moe_layers else _dense_ffn(src, c, i)),
         ))
     tok_embd = src.matrix("tok_embd", None, c.vocab, c.hidden)
     return ModelWeights(
@@ -86,3 +84,20 @@ def _assemble(src, c: ModelConfig) -> ModelWeights:
         out_norm=src.vector("out_norm", None, c.hidden),
         output=tok_embd if c.tied_embeddings else src.matrix("output", None, c.vocab, c.hidden),
     )
+
+
+def _dense_ffn(src, c: ModelConfig, i: int) -> dict:
+    return dict(w_gate=src.matrix("w_gate", i, c.ffn, c.hidden),
+                w_up=src.matrix("w_up", i, c.ffn, c.hidden),
+                w_down=src.matrix("w_down", i, c.hidden, c.ffn))
+
+
+def _moe_ffn(src, c: ModelConfig, i: int) -> dict:
+    """Router (kept in float32: the top-k choice is sensitive) and the stacked experts."""
+    e, f, h = c.n_experts, c.expert_ffn, c.hidden
+    return dict(w_gate=None, w_up=None, w_down=None, moe=MoEWeights(
+        router=src.float_matrix("router", i, e, h),
+        gate=src.experts("gate_exps", i, e, f, h),
+        up=src.experts("up_exps", i, e, f, h),
+        down=src.experts("down_exps", i, e, h, f),
+    ))

@@ -26,7 +26,7 @@ Q8_BLOCK_BYTES = 34    # fp16 scale + 32 int8
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters, all read from the model file's metadata."""
-    arch: str                 # "qwen3" | "llama"
+    arch: str                 # "qwen3" | "qwen3moe" | "llama"
     name: str
     n_layers: int
     hidden: int               # d_model
@@ -42,6 +42,12 @@ class ModelConfig:
     rope_neox: bool           # True: rotate halves (x[i], x[i+d/2]); False: adjacent pairs (x[2i], x[2i+1])
     context_length: int       # trained context (informational)
     n_params: int = 0
+    # Mixture of experts (Qwen3-MoE); all 0 / empty for dense models.
+    n_experts: int = 0            # experts per MoE layer
+    n_experts_used: int = 0       # experts each token is routed to (top-k)
+    expert_ffn: int = 0           # SwiGLU intermediate size of one expert
+    norm_topk_prob: bool = True   # rescale the k chosen router probabilities to sum to 1
+    moe_layers: tuple = ()        # indices of the layers whose feed-forward is MoE
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,33 @@ class Q8Matrix:
 
 
 @dataclass(frozen=True)
+class Q8Experts:
+    """`n_expert` stacked (rows, cols) Q8_0 matrices: `data` is uint8 (n_expert, rows,
+    cols/32*34) and data[e] is expert e's matrix (a C-contiguous view, no copy)."""
+    data: np.ndarray
+    n_expert: int
+    rows: int
+    cols: int
+
+    def __post_init__(self):
+        want = (self.n_expert, self.rows, self.cols // Q8_BLOCK * Q8_BLOCK_BYTES)
+        if (self.cols % Q8_BLOCK or self.data.dtype != np.uint8 or self.data.shape != want
+                or not self.data.flags.c_contiguous):
+            raise ValueError(f"Q8Experts: data {self.data.dtype}{self.data.shape} does not hold "
+                             f"{self.n_expert} x ({self.rows}, {self.cols}) Q8_0 "
+                             f"(want C-contiguous uint8{want})")
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """The sparse feed-forward of one MoE layer: a router and n_expert SwiGLU experts."""
+    router: np.ndarray            # (n_expert, hidden) f32: router logits = xn @ router.T
+    gate: Q8Experts               # n_expert x (expert_ffn, hidden)
+    up: Q8Experts                 # n_expert x (expert_ffn, hidden)
+    down: Q8Experts               # n_expert x (hidden, expert_ffn)
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """One transformer block. Matrices are (out, in)."""
     attn_norm: np.ndarray         # (hidden,) f32
@@ -69,9 +102,10 @@ class LayerWeights:
     q_norm: Optional[np.ndarray]  # (head_dim,) f32, Qwen3 only
     k_norm: Optional[np.ndarray]  # (head_dim,) f32, Qwen3 only
     ffn_norm: np.ndarray          # (hidden,) f32
-    w_gate: Q8Matrix              # (ffn, hidden)
-    w_up: Q8Matrix                # (ffn, hidden)
-    w_down: Q8Matrix              # (hidden, ffn)
+    w_gate: Optional[Q8Matrix]    # (ffn, hidden); None in a MoE layer
+    w_up: Optional[Q8Matrix]      # (ffn, hidden); None in a MoE layer
+    w_down: Optional[Q8Matrix]    # (hidden, ffn); None in a MoE layer
+    moe: Optional[MoEWeights] = None  # the layer's feed-forward when it is MoE
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,42 @@
+/* Kestrel kernels: the per-row float kernels (RMSNorm, RoPE), shared by the per-op Python
+ * entry points and the fused decode step (no Python here). */
+#ifndef KS_ROWS_H
+#define KS_ROWS_H
+
+#include "ks_common.h"
+
+/* out (d) = x / sqrt(mean(x^2) + eps) * w; out may be x. 8 partial sums: they vectorize and
+ * add less rounding than one sum. */
+static inline void ks_rmsnorm_row(const float *x, const float *w, float eps, float *out, int64_t d)
+{
+    float part[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        for (int j = 0; j < 8; j++)
+            part[j] += x[i + j] * x[i + j];
+    for (; i < d; i++)
+        part[0] += x[i] * x[i];
+    float ss = 0.0f;
+    for (int j = 0; j < 8; j++)
+        ss += part[j];
+    const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (i = 0; i < d; i++)
+        out[i] = x[i] * inv * w[i];
+}
+
+/* Rotates one head row (hd) in place with the position's tables ct, st (hd/2).
+ * neox: pairs (x[i], x[i + hd/2]); else pairs (x[2i], x[2i+1]). */
+static inline void ks_rope_row(float *row, const float *ct, const float *st, int64_t hd, int neox)
+{
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float c = ct[i], s = st[i];
+        float *p0 = neox ? row + i : row + 2 * i;
+        float *p1 = neox ? row + i + half : row + 2 * i + 1;
+        const float x0 = *p0, x1 = *p1;
+        *p0 = x0 * c - x1 * s;
+        *p1 = x0 * s + x1 * c;
+    }
+}
+
+#endif /* KS_ROWS_H */

@@ -1,0 +1,196 @@
+# Mixture-of-experts plumbing (Qwen3-MoE): the router (softmax + top-k), grouping a chunk's
+# (token, slot) pairs by expert, gathering quantized activation rows into that order, and
+# the router-weighted sum of the experts' outputs. The expert matmuls are matmul_q8_0.
+from libc.math cimport expf
+from libc.string cimport memcpy
+
+
+cdef inline float _dot_f32(const float *a, const float *b, Py_ssize_t d) noexcept nogil:
+    # 8 partial sums: vectorized by the compiler, and less rounding than one running sum
+    cdef float part[8]
+    cdef float s = 0.0
+    cdef Py_ssize_t i, j
+    for j in range(8):
+        part[j] = 0.0
+    for i in range(0, d - d % 8, 8):
+        for j in range(8):
+            part[j] += a[i + j] * b[i + j]
+    for i in range(d - d % 8, d):
+        part[0] += a[i] * b[i]
+    for j in range(8):
+        s += part[j]
+    return s
+
+
+cdef inline void _route_row(const float *x, const float *router, Py_ssize_t d, Py_ssize_t n_exp,
+                            bint norm_topk, float *probs, int32_t *idx, float *w,
+                            Py_ssize_t k) noexcept nogil:
+    cdef Py_ssize_t e, j
+    cdef float mx, s, p, prev_p
+    cdef int32_t best, prev_e
+    for e in range(n_exp):
+        probs[e] = _dot_f32(x, router + e * d, d)
+    mx = probs[0]
+    for e in range(1, n_exp):
+        if probs[e] > mx:
+            mx = probs[e]
+    s = 0.0
+    for e in range(n_exp):
+        probs[e] = expf(probs[e] - mx)
+        s += probs[e]
+    for e in range(n_exp):
+        probs[e] = probs[e] / s
+    # top-k by repeated selection in the strict order (probability desc, index asc): the
+    # j-th pick is the best expert ranked after the (j-1)-th, so no marks are needed
+    prev_p = 2.0
+    prev_e = -1
+    s = 0.0
+    for j in range(k):
+        best = -1
+        for e in range(n_exp):
+            p = probs[e]
+            if p < prev_p or (p == prev_p and e > prev_e):
+                if best < 0 or p > probs[best]:
+                    best = <int32_t>e
+        idx[j] = best
+        w[j] = probs[best]
+        s += probs[best]
+        prev_p = probs[best]
+        prev_e = best
+    if norm_topk:
+        for j in range(k):
+            w[j] = w[j] / s
+
+
+def moe_route(const float[:, ::1] x, const float[:, ::1] router, bint norm_topk,
+              float[:, ::1] probs, int32_t[:, ::1] top_idx, float[:, ::1] top_w, int nthreads):
+    """Router of n tokens over E experts, choosing k = top_idx.shape[1] per token.
+
+    x (n, d) f32, router (E, d) f32. OUT: probs (n, E) = softmax over e of x[t] . router[e];
+    top_idx (n, k) int32 the k most probable experts, most probable first (ties: lower
+    index first); top_w (n, k) their probabilities, divided by their sum when norm_topk."""
+    cdef Py_ssize_t n = x.shape[0], d = x.shape[1], n_exp = router.shape[0]
+    cdef Py_ssize_t k = top_idx.shape[1], t
+    _check_threads(nthreads)
+    if router.shape[1] != d:
+        raise ValueError(f"moe_route: router must be (E, {d}) like x's columns, "
+                         f"got ({n_exp}, {router.shape[1]})")
+    if probs.shape[0] != n or probs.shape[1] != n_exp:
+        raise ValueError(f"moe_route: probs must be ({n}, {n_exp}), "
+                         f"got ({probs.shape[0]}, {probs.shape[1]})")
+    if not 0 < k <= n_exp:
+        raise ValueError(f"moe_route: k = top_idx.shape[1] must be in 1..{n_exp}, got {k}")
+    if top_idx.shape[0] != n or top_w.shape[0] != n or top_w.shape[1] != k:
+        raise ValueError(f"moe_route: top_idx and top_w must both be ({n}, {k}), got "
+                         f"({top_idx.shape[0]}, {k}) and ({top_w.shape[0]}, {top_w.shape[1]})")
+    if n == 0:
+        return
+    for t in prange(n, nogil=True, num_threads=nthreads, schedule="static"):
+        _route_row(&x[t, 0], &router[0, 0], d, n_exp, norm_topk, &probs[t, 0],
+                   &top_idx[t, 0], &top_w[t, 0], k)
+
+
+def moe_group(const int32_t[:, ::1] top_idx, int32_t[::1] counts, int32_t[::1] offsets,
+              int32_t[::1] rows, int32_t[:, ::1] slot_pos, int32_t[::1] active):
+    """Sorts the n*k (token, slot) pairs of top_idx (n, k) by expert (stable counting sort)
+    and returns n_active, the number of experts chosen at least once.
+
+    OUT: counts, offsets (E,): expert e owns sorted entries offsets[e] .. offsets[e] +
+    counts[e] - 1, in token order; rows (n*k,): the token of each sorted entry;
+    slot_pos (n, k): the sorted entry of pair (t, j); active[:n_active] (E,): the chosen
+    experts, ascending."""
+    cdef Py_ssize_t n = top_idx.shape[0], k = top_idx.shape[1], n_exp = counts.shape[0]
+    cdef Py_ssize_t t, j, e, n_active = 0
+    cdef int32_t total = 0, p
+    if offsets.shape[0] != n_exp or active.shape[0] != n_exp:
+        raise ValueError(f"moe_group: counts, offsets and active must all be ({n_exp},), got "
+                         f"({offsets.shape[0]},) and ({active.shape[0]},)")
+    if rows.shape[0] != n * k:
+        raise ValueError(f"moe_group: rows must be ({n * k},), got ({rows.shape[0]},)")
+    if slot_pos.shape[0] != n or slot_pos.shape[1] != k:
+        raise ValueError(f"moe_group: slot_pos must be ({n}, {k}) like top_idx, "
+                         f"got ({slot_pos.shape[0]}, {slot_pos.shape[1]})")
+    for t in range(n):
+        for j in range(k):
+            if top_idx[t, j] < 0 or top_idx[t, j] >= n_exp:
+                raise ValueError(f"moe_group: expert {top_idx[t, j]} at ({t}, {j}) is "
+                                 f"outside [0, {n_exp})")
+    with nogil:
+        for e in range(n_exp):
+            counts[e] = 0
+        for t in range(n):
+            for j in range(k):
+                counts[top_idx[t, j]] += 1
+        for e in range(n_exp):
+            offsets[e] = total
+            total += counts[e]
+            if counts[e] > 0:
+                active[n_active] = <int32_t>e
+                n_active += 1
+        # counts is the fill cursor while placing, then restored
+        for e in range(n_exp):
+            counts[e] = 0
+        for t in range(n):
+            for j in range(k):
+                e = top_idx[t, j]
+                p = offsets[e] + counts[e]
+                counts[e] += 1
+                rows[p] = <int32_t>t
+                slot_pos[t, j] = p
+    return n_active
+
+
+def gather_rows_q8_0(const int8_t[:, ::1] xq, const float[:, ::1] xd, const int32_t[::1] rows,
+                     int8_t[:, ::1] xq_out, float[:, ::1] xd_out, int nthreads):
+    """xq_out[p], xd_out[p] = xq[rows[p]], xd[rows[p]] for every p: rows of a Q8_0-quantized
+    activation (xq (n, k) int8, xd (n, k/32) f32) gathered into a new order. Quantization
+    is per row, so this equals quantizing the gathered float rows."""
+    cdef Py_ssize_t n = xq.shape[0], kc = xq.shape[1], nb = xd.shape[1], m = rows.shape[0], p
+    _check_threads(nthreads)
+    if xd.shape[0] != n or nb * KS_QK != kc:
+        raise ValueError(f"gather_rows_q8_0: xd must be ({n}, {kc // KS_QK}), "
+                         f"got ({xd.shape[0]}, {nb})")
+    if xq_out.shape[0] != m or xq_out.shape[1] != kc or xd_out.shape[0] != m or xd_out.shape[1] != nb:
+        raise ValueError(f"gather_rows_q8_0: xq_out, xd_out must be ({m}, {kc}) and ({m}, {nb}), "
+                         f"got ({xq_out.shape[0]}, {xq_out.shape[1]}) and "
+                         f"({xd_out.shape[0]}, {xd_out.shape[1]})")
+    for p in range(m):
+        if rows[p] < 0 or rows[p] >= n:
+            raise ValueError(f"gather_rows_q8_0: row {rows[p]} at {p} is outside [0, {n})")
+    if m == 0 or kc == 0:
+        return
+    for p in prange(m, nogil=True, num_threads=nthreads, schedule="static"):
+        memcpy(&xq_out[p, 0], &xq[rows[p], 0], kc)
+        memcpy(&xd_out[p, 0], &xd[rows[p], 0], nb * sizeof(float))
+
+
+def moe_combine(const float[:, ::1] y, const int32_t[:, ::1] slot_pos, const float[:, ::1] top_w,
+                float[:, ::1] out, int nthreads):
+    """out[t] += sum over j = 0..k-1 (in that order) of top_w[t, j] * y[slot_pos[t, j]]:
+    the experts' outputs y (n*k, d), weighted by the router, added into out (n, d).
+    slot_pos, top_w: (n, k)."""
+    cdef Py_ssize_t n = out.shape[0], d = out.shape[1], k = slot_pos.shape[1], m = y.shape[0]
+    cdef Py_ssize_t t, j, i
+    cdef float wj
+    cdef const float *src
+    cdef float *dst
+    _check_threads(nthreads)
+    if y.shape[1] != d:
+        raise ValueError(f"moe_combine: y must have {d} columns like out, got {y.shape[1]}")
+    if slot_pos.shape[0] != n or top_w.shape[0] != n or top_w.shape[1] != k:
+        raise ValueError(f"moe_combine: slot_pos and top_w must both be ({n}, {k}), got "
+                         f"({slot_pos.shape[0]}, {k}) and ({top_w.shape[0]}, {top_w.shape[1]})")
+    for t in range(n):
+        for j in range(k):
+            if slot_pos[t, j] < 0 or slot_pos[t, j] >= m:
+                raise ValueError(f"moe_combine: slot {slot_pos[t, j]} at ({t}, {j}) is "
+                                 f"outside y's {m} rows")
+    if n == 0 or d == 0:
+        return
+    for t in prange(n, nogil=True, num_threads=nthreads, schedule="static"):
+        dst = &out[t, 0]
+        for j in range(k):
+            wj = top_w[t, j]
+            src = &y[slot_pos[t, j], 0]
+            for i in range(d):
+                dst[i] += wj * src[i]
