@@ -3,6 +3,9 @@
 - `qwen3_shaped_q8_0_path`: a random-weight Q8_0 GGUF with exactly Qwen3-0.6B's shapes,
   written once into the cache (a 0.6B model's real weights cannot be downloaded here, and
   speed does not depend on the values).
+- `qwen3moe_shaped_q8_0_path`: the same for a small Qwen3-MoE (`QWEN3MOE_SMALL`: 64
+  experts, top-8, like Qwen3-30B-A3B's routing at a fraction of its size). Its routers are
+  F32 as in llama.cpp's files, random, so tokens spread over all experts.
 - `weight_bytes_per_token`: bytes of weights one decode step reads; with `copy_bandwidth`
   it gives the memory-bound ceiling of decode tokens/s.
 - `open_llama`: llama-cpp-python's `Llama`, with ggml's extra weight buffer types (AMX,
@@ -25,8 +28,14 @@ Q8_0 = gguf.GGMLQuantizationType.Q8_0
 # Qwen3-0.6B (config.json of Qwen/Qwen3-0.6B).
 QWEN3_0_6B = dict(n_layers=28, hidden=1024, n_heads=16, n_kv_heads=8, head_dim=128, ffn=3072,
                   vocab=151936, rope_theta=1e6, norm_eps=1e-6, context_length=40960)
+# A small Qwen3-MoE: Qwen3-30B-A3B's head_dim (128) and routing (top-8), with 64 experts of
+# 384 at hidden 1024, 16 layers, 4 query heads per KV head; ffn is metadata only.
+QWEN3MOE_SMALL = dict(n_layers=16, hidden=1024, n_heads=16, n_kv_heads=4, head_dim=128,
+                      ffn=3072, vocab=151936, rope_theta=1e6, norm_eps=1e-6,
+                      context_length=40960, n_experts=64, n_experts_used=8, expert_ffn=384)
 QWEN3_SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 QWEN3_FILE = "qwen3-0.6b-shaped-random.Q8_0.gguf"
+QWEN3MOE_FILE = "qwen3moe-small-shaped-random.Q8_0.gguf"
 # Bump when the generator below changes, so cached files are rewritten.
 QWEN3_FILE_VERSION = 1
 CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -72,7 +81,9 @@ def _random_q8_0(rng: np.random.Generator, rows: int, cols: int, std: float) -> 
 
 
 def _qwen3_tensors(s: dict):
-    """(name, kind, shape) of every tensor, in file order; kind is "q8" (rows, cols) or "ones"."""
+    """(name, kind, shape) of every tensor, in file order; kind is "q8" (rows, cols),
+    "q8_experts" (n_experts, rows, cols), "router" (n_experts, hidden) F32 or "ones".
+    With `n_experts` in s, every layer's feed-forward is MoE (llama.cpp's qwen3moe)."""
     q_dim, kv_dim = s["n_heads"] * s["head_dim"], s["n_kv_heads"] * s["head_dim"]
     yield "token_embd.weight", "q8", (s["vocab"], s["hidden"])
     for i in range(s["n_layers"]):
@@ -85,6 +96,13 @@ def _qwen3_tensors(s: dict):
         yield p + "attn_q_norm.weight", "ones", (s["head_dim"],)
         yield p + "attn_k_norm.weight", "ones", (s["head_dim"],)
         yield p + "ffn_norm.weight", "ones", (s["hidden"],)
+        if "n_experts" in s:
+            e, f = s["n_experts"], s["expert_ffn"]
+            yield p + "ffn_gate_inp.weight", "router", (e, s["hidden"])
+            yield p + "ffn_gate_exps.weight", "q8_experts", (e, f, s["hidden"])
+            yield p + "ffn_down_exps.weight", "q8_experts", (e, s["hidden"], f)
+            yield p + "ffn_up_exps.weight", "q8_experts", (e, f, s["hidden"])
+            continue
         yield p + "ffn_gate.weight", "q8", (s["ffn"], s["hidden"])
         yield p + "ffn_up.weight", "q8", (s["ffn"], s["hidden"])
         yield p + "ffn_down.weight", "q8", (s["hidden"], s["ffn"])
@@ -92,11 +110,12 @@ def _qwen3_tensors(s: dict):
 
 
 def write_qwen3_shaped_gguf(path: str, shapes: dict = QWEN3_0_6B, seed: int = 0) -> None:
-    """Write a qwen3 GGUF with random Q8_0 weights of the given shapes (tensors are generated
-    and written one at a time, so memory stays at one tensor)."""
-    s, arch = shapes, "qwen3"
+    """Write a qwen3 (qwen3moe when shapes has n_experts) GGUF with random Q8_0 weights of
+    the given shapes (tensors are generated and written one at a time, so memory stays at
+    one tensor)."""
+    s, arch = shapes, "qwen3moe" if "n_experts" in shapes else "qwen3"
     w = gguf.GGUFWriter(path, arch)
-    w.add_string("general.name", "qwen3-0.6b-shaped-random")
+    w.add_string("general.name", os.path.basename(path).split(".")[0])
     w.add_uint32("general.file_type", gguf.LlamaFileType.MOSTLY_Q8_0)
     w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
     w.add_uint32(f"{arch}.block_count", s["n_layers"])
@@ -109,6 +128,10 @@ def write_qwen3_shaped_gguf(path: str, shapes: dict = QWEN3_0_6B, seed: int = 0)
     w.add_uint32(f"{arch}.attention.value_length", s["head_dim"])
     w.add_float32(f"{arch}.rope.freq_base", s["rope_theta"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", s["norm_eps"])
+    if "n_experts" in s:
+        w.add_uint32(f"{arch}.expert_count", s["n_experts"])
+        w.add_uint32(f"{arch}.expert_used_count", s["n_experts_used"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", s["expert_ffn"])
     tokens, types, merges = synthetic_qwen_vocab(s["vocab"])
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "qwen2")
@@ -122,19 +145,23 @@ def write_qwen3_shaped_gguf(path: str, shapes: dict = QWEN3_0_6B, seed: int = 0)
     w.add_string("tokenizer.chat_template", CHATML_TEMPLATE)
     specs = list(_qwen3_tensors(s))
     for name, kind, shape in specs:
-        if kind == "q8":
-            rows, cols = shape
-            w.add_tensor_info(name, (rows, cols // 32 * 34), np.dtype(np.uint8),
-                              rows * cols // 32 * 34, raw_dtype=Q8_0)
+        if kind in ("q8", "q8_experts"):
+            byte_shape = (*shape[:-1], shape[-1] // 32 * 34)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                              raw_dtype=Q8_0)
         else:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for name, kind, shape in specs:
-        if kind == "q8":
-            w.write_tensor_data(_random_q8_0(rng, shape[0], shape[1], std=0.02))
+        if kind in ("q8", "q8_experts"):
+            rows = int(np.prod(shape[:-1]))
+            data = _random_q8_0(rng, rows, shape[-1], std=0.02)
+            w.write_tensor_data(data.reshape(*shape[:-1], -1))
+        elif kind == "router":   # logits of std 1 on a unit-RMS input
+            w.write_tensor_data(rng.normal(0, 1 / np.sqrt(shape[1]), shape).astype(np.float32))
         else:
             w.write_tensor_data(np.ones(shape, dtype=np.float32))
     w.close()
@@ -142,9 +169,19 @@ def write_qwen3_shaped_gguf(path: str, shapes: dict = QWEN3_0_6B, seed: int = 0)
 
 def qwen3_shaped_q8_0_path(cache_dir: str) -> str:
     """The random Qwen3-0.6B-shaped Q8_0 GGUF in cache_dir, written once (~640 MB)."""
-    path = os.path.join(cache_dir, QWEN3_FILE)
+    return _shaped_q8_0_path(cache_dir, QWEN3_FILE, QWEN3_0_6B)
+
+
+def qwen3moe_shaped_q8_0_path(cache_dir: str) -> str:
+    """The random small Qwen3-MoE Q8_0 GGUF in cache_dir, written once (~1.5 GB)."""
+    return _shaped_q8_0_path(cache_dir, QWEN3MOE_FILE, QWEN3MOE_SMALL)
+
+
+def _shaped_q8_0_path(cache_dir: str, file_name: str, shapes: dict) -> str:
+    """cache_dir/file_name, (re)written by write_qwen3_shaped_gguf unless its stamp matches."""
+    path = os.path.join(cache_dir, file_name)
     stamp_path = path + ".stamp"
-    want = {"version": QWEN3_FILE_VERSION, "shapes": QWEN3_0_6B}
+    want = {"version": QWEN3_FILE_VERSION, "shapes": shapes}
     try:
         with open(stamp_path) as f:
             if json.load(f) == want and os.path.isfile(path):
@@ -155,7 +192,7 @@ def qwen3_shaped_q8_0_path(cache_dir: str) -> str:
     fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".gguf.part")
     os.close(fd)
     try:
-        write_qwen3_shaped_gguf(tmp)
+        write_qwen3_shaped_gguf(tmp, shapes)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
@@ -168,14 +205,20 @@ def qwen3_shaped_q8_0_path(cache_dir: str) -> str:
 
 def weight_bytes_per_token(path: str) -> int:
     """Bytes of weights one decode step reads: every tensor except the token embedding (one
-    row is read), which counts in full when it doubles as the output matrix (tied)."""
+    row is read), which counts in full when it doubles as the output matrix (tied), and
+    MoE experts, of which expert_used_count / expert_count are read."""
     reader = gguf.GGUFReader(path)
     names = {t.name for t in reader.tensors}
     tied = "output.weight" not in names
+    arch = reader.get_field("general.architecture").contents()
+    n_exp, n_used = (reader.get_field(f"{arch}.{key}") for key in ("expert_count",
+                                                                      "expert_used_count"))
     total = 0
     for t in reader.tensors:
         if t.name == "token_embd.weight" and not tied:
             total += int(t.n_bytes) // int(t.shape[1])  # one row
+        elif t.name.endswith("_exps.weight"):
+            total += int(t.n_bytes) * n_used.contents() // n_exp.contents()
         else:
             total += int(t.n_bytes)
     return total

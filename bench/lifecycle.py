@@ -65,19 +65,28 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------- the daemon
 
+def say(message: str) -> None:
+    """Progress on stderr (stdout is the report or the JSON)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def start_daemon(workdir: Path, opts: argparse.Namespace) -> tuple[Daemon, dict]:
     """A fresh kestreld on workdir/kestreld.sock, ready (answers ping); and how the start went."""
     daemon = Daemon(workdir / "kestreld.sock", "--max-seq", str(opts.max_seq),
                     "--threads", str(opts.threads), model=opts.model or model_path())
+    say("starting kestreld ...")
     t0 = time.monotonic()
     daemon.start()
-    return daemon, {"pid": daemon.pid, "ready_s": round(time.monotonic() - t0, 2)}
+    ready_s = round(time.monotonic() - t0, 2)
+    say(f"kestreld pid {daemon.pid} ready in {ready_s:.1f} s")
+    return daemon, {"pid": daemon.pid, "ready_s": ready_s}
 
 
 def restart(daemon: Daemon, workdir: Path, opts: argparse.Namespace) -> tuple[Daemon, dict]:
     """SIGTERM the daemon, wait for it to exit, start a new one the same way. Whatever KV the
     old process held is gone with it."""
     old_pid = daemon.pid
+    say(f"restart: SIGTERM to pid {old_pid}")
     exit_status = daemon.stop()
     fresh, start = start_daemon(workdir, opts)
     return fresh, {"old_pid": old_pid, "exit_status": exit_status, **start}
@@ -95,8 +104,8 @@ def send(kc: Client, daemon: Daemon, name: str, method: str, opts: argparse.Name
     """One generate/chat request, with status read before and after: a row of the table."""
     before = kc.status()
     seen = len(prefix_lines(daemon))
-    result = kc.chat(**params, max_tokens=opts.max_tokens) if method == "chat" else \
-        kc.generate(**params, max_tokens=opts.max_tokens)
+    say(f"{name} ...")
+    result = getattr(kc, method)(**params, max_tokens=opts.max_tokens)
     after = kc.status()
     # The daemon logs the request's [KV-PREFIX] line before it sends the answer.
     new = prefix_lines(daemon)[seen:]
@@ -104,11 +113,13 @@ def send(kc: Client, daemon: Daemon, name: str, method: str, opts: argparse.Name
         raise RuntimeError(f"{name}: expected one new [KV-PREFIX] line in the daemon's log, got {new}")
     lcp = LCP.search(new[0])
     u, t = result.usage, result.timings
+    say(f"  {u['prompt_tokens']} prompt tokens, {u['cached_tokens']} cached, "
+        f"TTFT {t['ttft_ms'] / 1000:.2f} s; {new[0]}")
     return {"request": name, "method": method, "pid": after["pid"],
             "prompt_tokens": u["prompt_tokens"], "cached_tokens": u["cached_tokens"],
             "prefill_tokens": u["prefill_tokens"], "completion_tokens": u["completion_tokens"],
             "prefill_ms": t["prefill_ms"], "ttft_ms": t["ttft_ms"],
-            "hit": new[0].startswith("[KV-PREFIX] hit"),
+            "hit": new[0].startswith("[KV-PREFIX] hit"), "min_match": before["prefix"]["min_match"],
             "lcp": int(lcp.group(1)) if lcp else None, "kv_prefix": new[0],
             "cache_len_before": before["cache_len"], "cache_len_after": after["cache_len"],
             "rss_mb_before": before["rss_mb"], "rss_mb": after["rss_mb"],
@@ -124,21 +135,24 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict:
     try:
         with daemon.client(REQUEST_TIMEOUT_S) as kc:
             loaded = kc.status()
-            count = lambda s: len(kc.tokenize(s))  # noqa: E731
+
+            def count(text: str) -> int:
+                return len(kc.tokenize(text))
+
             manual = tide_gauge_manual(opts.doc_tokens, count)
             guide = island_guide(opts.r2_tokens, count)
             r1_messages = [{"role": "user", "content": f"{manual.text}\n\nQuestion: {manual.question}"}]
-            r1 = send(kc, daemon, "R1: manual + question", "chat", opts, messages=r1_messages)
+            r1 = send(kc, daemon, "R1: manual + question (chat)", "chat", opts, messages=r1_messages)
             follow_messages = r1_messages + [{"role": "assistant", "content": r1["text"]},
                                              {"role": "user", "content": manual.follow_up}]
-            hit = send(kc, daemon, "follow-up to R1", "chat", opts, messages=follow_messages)
+            hit = send(kc, daemon, "follow-up to R1 (chat)", "chat", opts, messages=follow_messages)
             r2 = send(kc, daemon, "R2: unrelated guide (generate)", "generate", opts,
                       prompt=f"{guide.text}\n\nQuestion: {guide.question}\nAnswer:")
         logs.append({"pid": daemon.pid, "kv_prefix": prefix_lines(daemon)})
         daemon, restarted = restart(daemon, workdir, opts)
         with daemon.client(REQUEST_TIMEOUT_S) as kc:
             reloaded = kc.status()
-            again = send(kc, daemon, "after restart: follow-up again", "chat", opts,
+            again = send(kc, daemon, "after restart: follow-up again (chat)", "chat", opts,
                          messages=follow_messages)
         logs.append({"pid": daemon.pid, "kv_prefix": prefix_lines(daemon)})
     finally:
@@ -167,7 +181,7 @@ def _hit_cell(row: dict) -> str:
         return f"hit ({row['cached_tokens']} reused)"
     if row["cache_len_before"] == 0:
         return f"none (lcp={row['lcp']}, empty cache)"
-    return f"none (lcp={row['lcp']} < 16)"
+    return f"none (lcp={row['lcp']} < {row['min_match']})"
 
 
 def table(rows: list) -> str:
@@ -203,7 +217,8 @@ def report(res: dict) -> str:
            f"follow-up: {hit['cached_tokens']} of {hit['prompt_tokens']} prompt tokens reused, "
            f"{hit['prefill_tokens']} prefilled; TTFT {r1['ttft_ms'] / 1000:.2f} s -> "
            f"{hit['ttft_ms'] / 1000:.2f} s ({speedup:.1f}x faster than R1)",
-           f"R2: longest common prefix with the cached ids = {r2['lcp']} tokens (< 16: a miss)",
+           f"R2 against the cached ids: {r2['kv_prefix']} (a miss when the longest common "
+           f"prefix is below {r2['min_match']} tokens)",
            f"RSS MiB: after load {rss['after_load']:.1f}, after R1 {rss['after_r1']:.1f} "
            f"({rss['after_r1'] - rss['after_load']:+.1f}), after the hit {rss['after_hit']:.1f} "
            f"({rss['after_hit'] - rss['after_r1']:+.1f}), after R2 {rss['after_r2']:.1f} "

@@ -16,6 +16,9 @@ from collections import defaultdict
 
 import numpy as np
 
+# runnable from a checkout whether or not the package is installed into the venv
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from common import qwen3_shaped_q8_0_path
 
 from kestreld.config import default_cache_dir
@@ -46,7 +49,7 @@ def main() -> int:
     p.add_argument("--model", choices=["smollm2", "qwen3-0.6b"], default="qwen3-0.6b")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens")
-    p.add_argument("--depth", type=int, default=16, help="decode: tokens already in the cache")
+    p.add_argument("--depth", type=int, default=16, help="tokens already in the cache")
     p.add_argument("--steps", type=int, default=8, help="decode steps")
     args = p.parse_args()
     cache = default_cache_dir(os.environ)
@@ -55,18 +58,19 @@ def main() -> int:
     from kestreld.engine.loader import load_model
     model = load_model(path)
     chunk = max(256, args.prefill)
-    eng = Engine(model, max_seq=max(1024, args.depth + args.steps + chunk + 1),
+    eng = Engine(model, max_seq=max(1024, args.depth + args.steps + chunk + 2),
                  threads=args.threads, prefill_chunk=chunk)
     tr = eng.transformer
     rng = np.random.default_rng(0)
-    ids = rng.integers(256, 20000, size=max(args.depth + args.steps, args.prefill, 1)).tolist()
-    tr.forward(ids[:args.depth or 1], 0)          # fill the cache (and warm up)
+    ids = rng.integers(256, 20000, size=args.depth + max(args.steps, args.prefill) + 1).tolist()
+    for p0 in range(0, max(args.depth, 1), chunk):     # fill the cache (and warm up)
+        tr.forward(ids[p0:min(max(args.depth, 1), p0 + chunk)], p0)
     totals = defaultdict(lambda: [0.0, 0])
     instrument(totals)
     t0 = time.perf_counter()
     if args.prefill:
-        tr.forward(ids[:args.prefill], 0)
-        what, count = f"prefill {args.prefill}", args.prefill
+        tr.forward(ids[args.depth:args.depth + args.prefill], args.depth)
+        what, count = f"prefill {args.prefill} @ {args.depth}", args.prefill
     else:
         for i in range(args.steps):
             tr.forward([ids[i]], args.depth + i)

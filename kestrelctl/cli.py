@@ -1,7 +1,9 @@
 """kestrelctl: talk to kestreld from the shell.
 
     kestrelctl [--socket PATH] generate [TEXT] [--max-tokens N] [--temperature T] [--stats]
-    kestrelctl chat [-m TEXT] [--system TEXT]      interactive (history kept: prefix-cache hits)
+    kestrelctl chat [-m TEXT] [--system TEXT] [--image FILE ...]
+                                                   interactive (history kept: prefix-cache hits);
+                                                   images go with the first user message
     kestrelctl status [--json] | tokenize [TEXT] | ping
 
 The socket is --socket, else $KESTREL_SOCKET, else the default path. Text is streamed to
@@ -150,12 +152,33 @@ def _chat_turn(client: Client, history: list, args) -> None:
         print(stats_line(r), file=sys.stderr)
 
 
+def _user_message(text: str, images: list) -> dict:
+    """A user message; with images, a list of image parts (their bytes) then the text."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image", "data": data} for data in images]
+            + [{"type": "text", "text": text}]}
+
+
+def _read_images(paths) -> list:
+    out = []
+    for path in paths or ():
+        try:
+            with open(path, "rb") as f:
+                out.append(f.read())
+        except OSError as e:
+            raise KestrelClientError("bad_request", f"cannot read image {path}: {e.strerror}") from None
+    return out
+
+
 def cmd_chat(client: Client, args) -> int:
     """One turn with -m, else a conversation read line by line until EOF; the history is
-    sent again each turn, so the daemon reuses its KV for everything said before."""
+    sent again each turn, so the daemon reuses its KV for everything said before.
+    --image files are sent (as bytes) with the first user message."""
     history = [{"role": "system", "content": args.system}] if args.system else []
+    images = _read_images(args.image)
     if args.message is not None:
-        history.append({"role": "user", "content": args.message})
+        history.append(_user_message(args.message, images))
         _chat_turn(client, history, args)
         return 0
     interactive = sys.stdin.isatty()
@@ -168,9 +191,10 @@ def cmd_chat(client: Client, args) -> int:
             return 0
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line.rstrip("\n")})
+        history.append(_user_message(line.rstrip("\n"), images))
         try:
             _chat_turn(client, history, args)
+            images = []
         except KeyboardInterrupt:
             if not interactive:
                 raise
@@ -228,6 +252,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("-m", "--message", help="one user message: answer it and exit")
     c.add_argument("--system", help="system prompt")
     c.add_argument("--think", action="store_true", help="enable_thinking (Qwen3)")
+    c.add_argument("--image", action="append", metavar="FILE",
+                   help="an image for the first user message (repeatable; Qwen3-VL)")
     _sampling_args(c)
     c.set_defaults(run=cmd_chat)
     s = sub.add_parser("status", help="what the daemon runs and how it is doing")

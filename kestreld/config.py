@@ -60,14 +60,18 @@ class Config:
     debug: bool = False                  # tracebacks on fatal errors
     config_file: Optional[str] = None
     cache_dir: Optional[str] = None      # Q8_0 conversions of non-Q8_0 GGUFs (None: convert in memory)
+    disk_kv: Optional[str] = None        # directory of KV snapshots that outlive the process (None: off)
+    disk_kv_max_bytes: int = 4 << 30     # the snapshots' total size; least recently used evicted
 
     def __post_init__(self):
         for name in ("max_seq", "prefix_min", "kv_bs", "prefill_chunk", "max_queue",
-                     "max_message_bytes", "max_tokens", "max_outgoing_bytes"):
+                     "max_message_bytes", "max_tokens", "max_outgoing_bytes", "disk_kv_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown-grace must be >= 0, got {self.shutdown_grace}")
+        if self.disk_kv and not self.prefix_kv:
+            raise ValueError("disk-kv reuses KV by common prefix: it cannot be used with no-prefix-kv")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.kv_bs < 16 or self.kv_bs & (self.kv_bs - 1):
@@ -114,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--debug", action="store_const", const=True, help="show tracebacks")
     a("--cache-dir", help="where Q8_0 conversions of other GGUF types are kept "
       "(default $CACHE_DIRECTORY, $XDG_CACHE_HOME/kestrel or ~/.cache/kestrel)")
+    a("--disk-kv", metavar="DIR", help="keep KV snapshots in DIR and reuse them after a restart "
+      "(default: off; see docs/disk-kv.md)")
+    a("--disk-kv-max-bytes", type=int, help="total size of the snapshots in DIR (default 4 GiB)")
     a("--config", dest="config_file",
       help=f"config file of `key = value` lines (default {DEFAULT_CONFIG_FILE} if present)")
     return p

@@ -54,13 +54,17 @@ def _model_path(cfg: Config) -> Optional[str]:
 
 
 def build_engine(cfg: Config, path: str):
-    """Load the model and allocate the KV arena (once, for max_seq tokens)."""
+    """Load the model and allocate the KV arena (once, for max_seq tokens); open --disk-kv."""
+    from .engine.diskkv import DiskKV
     from .engine.generate import Engine
     from .engine.loader import load_model
     t0 = time.monotonic()
     model = load_model(path, cache_dir=cfg.cache_dir)
+    disk_kv = (DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
+                                cfg.prefix_min) if cfg.disk_kv else None)
     engine = Engine(model, max_seq=cfg.max_seq, threads=cfg.n_threads, prefix_kv=cfg.prefix_kv,
-                    prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk)
+                    prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk,
+                    disk_kv=disk_kv)
     c, arena = model.config, engine.arena
     log.info("model %s: %s %s, %d layers, %d params, weights %s (from %s) in %.1f s",
              path, c.arch, c.name, c.n_layers, c.n_params, "q8_0", model.source_dtype,
@@ -76,9 +80,9 @@ def run_prompt(cfg: Config, engine) -> int:
     """--prompt: stream one completion to stdout, timings to stderr."""
     from .engine.generate import SamplingOptions
     from .protocol import GenerateParams
-    from .scheduler import prompt_ids
+    from .scheduler import prompt_input
 
-    ids = prompt_ids(engine, GenerateParams(cfg.prompt, None, {}, True))
+    ids, _ = prompt_input(engine, GenerateParams(cfg.prompt, None, {}, True))
     c = engine.generate(ids, SamplingOptions(max_tokens=cfg.max_tokens),
                         on_token=lambda ev: print(ev.text, end="", flush=True))
     print()
@@ -87,6 +91,7 @@ def run_prompt(cfg: Config, engine) -> int:
           f"{c.completion_tokens} tokens in {c.decode_ms:.0f} ms "
           f"({c.completion_tokens / decode_s if decode_s > 0 else 0.0:.1f} tok/s), "
           f"ttft {c.ttft_ms:.0f} ms, finish {c.finish_reason}", file=sys.stderr)
+    engine.close()
     return 0
 
 
@@ -129,6 +134,7 @@ async def serve(cfg: Config, engine, inherited: Optional[socket.socket] = None,
     await asyncio.sleep(0)              # let the last replies reach their connections
     await server.close_connections()
     scheduler.join(CANCEL_WAIT_S)
+    await loop.run_in_executor(None, engine.close)   # the disk KV writer's queue
     notifier.close()
     log.info("stopped")
     return 0

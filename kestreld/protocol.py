@@ -40,6 +40,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20
 SEED_LIMIT = 1 << 64          # seeds are 0 <= seed < 2**64
+MAX_IMAGES = 16               # image parts in one chat request
+MAX_PATH_CHARS = 4096
 
 
 # ---------------------------------------------------------------- typed parameters
@@ -56,7 +58,9 @@ class GenerateParams:
 
 @dataclass(frozen=True)
 class ChatParams:
-    """`chat`: messages as ({"role": str, "content": str}, ...)."""
+    """`chat`: messages as ({"role": str, "content": str | (part, ...)}, ...); a part is
+    {"type": "text", "text": str} or {"type": "image", "path": str} / {"type": "image",
+    "data": bytes} (Qwen3-VL)."""
     messages: tuple
     enable_thinking: bool
     options: dict
@@ -166,9 +170,42 @@ def _messages(v) -> tuple:
             keys = sorted(m) if isinstance(m, dict) else type(m).__name__
             raise BadRequest(f"messages[{n}] must be a map with exactly role and content, "
                              f"got {keys}")
-        out.append({"role": _str(f"messages[{n}].role", m["role"]),
-                    "content": _str(f"messages[{n}].content", m["content"])})
+        content = m["content"]
+        if isinstance(content, (list, tuple)):
+            content = tuple(_part(f"messages[{n}].content[{j}]", part)
+                            for j, part in enumerate(content))
+        else:
+            content = _str(f"messages[{n}].content", content)
+        out.append({"role": _str(f"messages[{n}].role", m["role"]), "content": content})
+    n_images = sum(1 for m in out if not isinstance(m["content"], str)
+                   for part in m["content"] if part["type"] == "image")
+    if n_images > MAX_IMAGES:
+        raise BadRequest(f"messages hold {n_images} images; at most {MAX_IMAGES} are accepted")
     return tuple(out)
+
+
+def _part(name: str, v) -> dict:
+    """One part of a list content: text, or an image by path or by its bytes."""
+    if not isinstance(v, dict) or v.get("type") not in ("text", "image"):
+        raise BadRequest(f"{name} must be a map with type \"text\" or \"image\", "
+                         f"got {_QUOTE.repr(v)}")
+    if v["type"] == "text":
+        if set(v) != {"type", "text"}:
+            raise BadRequest(f"{name}: a text part has exactly type and text, got {sorted(map(str, v))}")
+        return {"type": "text", "text": _str(f"{name}.text", v["text"])}
+    keys = set(v) - {"type"}
+    if keys == {"path"}:
+        path = _str(f"{name}.path", v["path"])
+        if not 0 < len(path) <= MAX_PATH_CHARS or "\0" in path:
+            raise BadRequest(f"{name}.path must be 1..{MAX_PATH_CHARS} characters without NUL")
+        return {"type": "image", "path": path}
+    if keys == {"data"}:
+        if not isinstance(v["data"], (bytes, bytearray)) or not v["data"]:
+            raise BadRequest(f"{name}.data must be non-empty binary (MessagePack bin), "
+                             f"got {type(v['data']).__name__}")
+        return {"type": "image", "data": bytes(v["data"])}
+    raise BadRequest(f"{name}: an image part has type and exactly one of path or data, "
+                     f"got {sorted(map(str, v))}")
 
 
 # Sampling options of generate/chat: name -> check returning the typed value.
@@ -431,11 +468,13 @@ def completion_result(c, queue_ms: float, ttft_ms: float) -> dict:
         "ids": list(c.ids),
         "finish_reason": c.finish_reason,
         "usage": {"prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
-                  "prefill_tokens": c.prefill_tokens, "completion_tokens": c.completion_tokens},
+                  "prefill_tokens": c.prefill_tokens, "completion_tokens": c.completion_tokens,
+                  **{k: c.extra[k] for k in ("images", "visual_tokens") if k in c.extra}},
         "timings": {"queue_ms": round(queue_ms, 3), "prefill_ms": round(c.prefill_ms, 3),
                     "decode_ms": round(c.decode_ms, 3), "ttft_ms": round(ttft_ms, 3),
                     "prefill_tok_s": round(c.prefill_tokens / prefill_s, 2) if prefill_s > 0 else 0.0,
-                    "decode_tok_s": round(c.completion_tokens / decode_s, 2) if decode_s > 0 else 0.0},
+                    "decode_tok_s": round(c.completion_tokens / decode_s, 2) if decode_s > 0 else 0.0,
+                    **({"encode_ms": c.extra["encode_ms"]} if "encode_ms" in c.extra else {})},
     }
     if c.logprobs is not None:
         out["logprobs"] = c.logprobs

@@ -73,17 +73,17 @@ class Job:
     ahead: int = 0                             # jobs before this one when it was queued
 
 
-def prompt_ids(engine, params: Union[GenerateParams, ChatParams]) -> list:
-    """The prompt token ids of a request: ids as given; a prompt tokenized with the
-    model's special tokens (BOS where the model wants one); chat rendered with the
-    model's own template, whose text already holds its special tokens."""
+def prompt_input(engine, params: Union[GenerateParams, ChatParams]) -> tuple:
+    """(prompt token ids, images or None) of a request: ids as given; a prompt tokenized
+    with the model's special tokens (BOS where the model wants one); a chat rendered with
+    the model's own template (whose text already holds its special tokens), its image
+    parts decoded and expanded into their placeholder tokens."""
     if isinstance(params, ChatParams):
-        text = engine.render_chat([dict(m) for m in params.messages],
+        return engine.chat_prompt([dict(m) for m in params.messages],
                                   enable_thinking=params.enable_thinking)
-        return engine.tokenize(text, add_special=False)
     if params.ids is not None:
-        return list(params.ids)
-    return engine.tokenize(params.prompt, add_special=True)
+        return list(params.ids), None
+    return engine.tokenize(params.prompt, add_special=True), None
 
 
 def request_log_line(job: Job, c: Completion, queue_ms: float) -> str:
@@ -231,9 +231,9 @@ class Scheduler:
                 self._post(job, Progress("prefill", done, total))
 
         try:
-            ids = prompt_ids(self._engine, job.params)
-            c = self._engine.generate(ids, job.options, on_token=on_token,
-                                      on_progress=on_progress, should_stop=job.stop.is_set)
+            ids, images = prompt_input(self._engine, job.params)
+            c = self._engine.generate(ids, job.options, on_token=on_token, on_progress=on_progress,
+                                      should_stop=job.stop.is_set, vision=images)
         except KestrelError as e:
             log.info("request conn=%d msgid=%d failed: %s: %s", job.conn_id, job.msgid, e.code, e)
             self._post(job, Failed(e))

@@ -51,6 +51,7 @@ class StatusReporter:
             "kv_arena_bytes": arena.nbytes,
             "cache_len": engine_stats["cache_len"],
             "prefix": dict(engine_stats["prefix"]),
+            "disk_kv": eng.disk_kv.stats() if eng.disk_kv is not None else {"enabled": False},
             "rss_mb": round(self._process.memory_info().rss / 2**20, 1),
             "mem_avail_mb": round(psutil.virtual_memory().available / 2**20, 1),
             "threads": self._config.n_threads,

@@ -249,6 +249,15 @@ static inline int ks_use_vnni(void)
     return ks_vnni_state;
 }
 
+/* Turns the VNNI prefill path off (0) or back on where the CPU has it (1); returns the state. */
+static inline int ks_set_vnni(int on)
+{
+    ks_vnni_state = -1;
+    if (!on || !ks_use_vnni())
+        ks_vnni_state = 0;
+    return ks_vnni_state;
+}
+
 KS_VNNI_TARGET static inline __attribute__((always_inline))
 __m256i ks_bcast_chunk(const int8_t *p)
 {
@@ -399,6 +408,10 @@ static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *
 {
     ks_q8_matmul_rows_plain(w, w_stride, xq, xd, n, k, out, m, r0, r1);
 }
+#endif
+
+#if !defined(KS_HAVE_VNNI)
+static inline int ks_set_vnni(int on) { (void)on; return 0; }
 #endif
 
 #endif /* KS_Q8_H */

@@ -65,6 +65,12 @@ def matmul_q8_0(const uint8_t[:, ::1] w, const int8_t[:, ::1] xq, const float[:,
     _matmul(w, xq, xd, out, nthreads, False)
 
 
+def set_matmul_vnni(bint enabled):
+    """Lets matmul_q8_0 take its AVX512-VNNI prefill path (the default where the CPU has it) or
+    not (tests compare both with the plain twin). Returns True if the VNNI path is now on."""
+    return bool(ks_set_vnni(enabled))
+
+
 def matmul_q8_0_plain(const uint8_t[:, ::1] w, const int8_t[:, ::1] xq, const float[:, ::1] xd,
                       float[:, ::1] out, int nthreads):
     """matmul_q8_0 on the portable C path (the reference the SIMD path must equal exactly)."""

@@ -10,7 +10,7 @@ import pytest
 from kestreld.engine.generate import Completion, SamplingOptions, TokenEvent
 from kestreld.errors import BadRequest
 from kestreld.protocol import ChatParams, GenerateParams
-from kestreld.scheduler import Done, Failed, Job, Progress, Scheduler, Token, prompt_ids
+from kestreld.scheduler import Done, Failed, Job, Progress, Scheduler, Token, prompt_input
 
 
 class ScriptedEngine:
@@ -30,7 +30,10 @@ class ScriptedEngine:
     def render_chat(self, messages, enable_thinking=False):
         return "|".join(m["content"] for m in messages) + ("T" if enable_thinking else "")
 
-    def generate(self, ids, opts, on_token=None, on_progress=None, should_stop=None):
+    def chat_prompt(self, messages, enable_thinking=False):
+        return self.tokenize(self.render_chat(messages, enable_thinking)), None
+
+    def generate(self, ids, opts, on_token=None, on_progress=None, should_stop=None, vision=None):
         self.worker_threads.add(threading.get_ident())
         self.started.append(list(ids))
         if self.fail_with is not None:
@@ -190,10 +193,10 @@ def test_engine_errors_become_failures_and_the_worker_survives():
     run(scenario)
 
 
-def test_prompt_ids():
+def test_prompt_input():
     eng = ScriptedEngine()
-    assert prompt_ids(eng, GenerateParams(None, (4, 5), {}, True)) == [4, 5]
-    assert prompt_ids(eng, GenerateParams("hello", None, {}, True)) == [5, 1]
+    assert prompt_input(eng, GenerateParams(None, (4, 5), {}, True)) == ([4, 5], None)
+    assert prompt_input(eng, GenerateParams("hello", None, {}, True)) == ([5, 1], None)
     chat = ChatParams(({"role": "user", "content": "ab"}, {"role": "user", "content": "c"}),
                       True, {}, True)
-    assert prompt_ids(eng, chat) == [len("ab|cT"), 0]          # template text has its specials
+    assert prompt_input(eng, chat) == ([len("ab|cT"), 0], None)          # template text has its specials

@@ -15,6 +15,7 @@ import numpy as np
 from .arena import KVArena
 from .kernels import K
 from .model import LoadedModel, Q8Matrix
+from .qwen3vl import ChunkVision, MRopeTables
 
 
 def rope_tables(max_pos: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -49,6 +50,9 @@ class Transformer:
         self.kv_dim = c.n_kv_heads * c.head_dim
         self.scale = float(1.0 / np.sqrt(c.head_dim))
         self.cos, self.sin = rope_tables(arena.max_seq, c.head_dim, c.rope_theta)
+        # Qwen3-VL: chunk tables from 3-D positions when a prompt has images
+        self.mrope = (MRopeTables(c.head_dim, c.rope_theta, c.mrope_section, max_chunk)
+                      if c.mrope_section else None)
         widest = max(c.hidden, self.q_dim, c.ffn)
         rows = max_chunk
         self.s = _Scratch(rows, {
@@ -87,8 +91,13 @@ class Transformer:
         return out
 
     # ---- the pass -----------------------------------------------------------------
-    def forward(self, ids, pos0: int, logits_out: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, ids, pos0: int, logits_out: np.ndarray | None = None,
+                vision: ChunkVision | None = None) -> np.ndarray:
         """Run tokens `ids` (n <= max_chunk) at positions pos0.. and store their KV.
+
+        `vision` (Qwen3-VL, a prompt with images): the chunk's M-RoPE positions (3, n), which
+        replace pos0.. in RoPE (the KV still goes to pos0..), and its visual tokens' input
+        embeddings and DeepStack features.
 
         Returns logits of the last token (1, vocab), or fills `logits_out` (n, vocab)
         with every position's logits when given (tests and diagnostics)."""
@@ -98,7 +107,7 @@ class Transformer:
             raise ValueError(f"chunk of {n} tokens; 1..{self.max_chunk} allowed")
         if pos0 + n > self.arena.max_seq:
             raise ValueError(f"positions up to {pos0 + n} exceed max_seq={self.arena.max_seq}")
-        if n == 1 and logits_out is None and self.decode_step is not None:
+        if n == 1 and logits_out is None and self.decode_step is not None and vision is None:
             self.decode_step.step(int(ids[0]), pos0, self.logits)
             return self.logits
         ids_arr = self.ids[:n]
@@ -106,6 +115,12 @@ class Transformer:
         x = s.get("x", n, c.hidden)
         xn = s.get("xn", n, c.hidden)
         K.dequantize_rows_q8_0(self.w.tok_embd.data, ids_arr, x)
+        rope_cos, rope_sin, rope_pos0 = self.cos, self.sin, pos0
+        if vision is not None:
+            rope_cos, rope_sin = self.mrope.tables(vision.positions)
+            rope_pos0 = 0
+            if vision.embeds is not None:
+                x[vision.rows] = vision.embeds
 
         for li, L in enumerate(self.w.layers):
             # attention block
@@ -120,8 +135,8 @@ class Transformer:
                 K.rmsnorm(kh, L.k_norm, c.norm_eps, kh, t)
             q3 = q.reshape(n, c.n_heads, c.head_dim)
             k3 = k.reshape(n, c.n_kv_heads, c.head_dim)
-            K.rope(q3, self.cos, self.sin, pos0, c.rope_neox, t)
-            K.rope(k3, self.cos, self.sin, pos0, c.rope_neox, t)
+            K.rope(q3, rope_cos, rope_sin, rope_pos0, c.rope_neox, t)
+            K.rope(k3, rope_cos, rope_sin, rope_pos0, c.rope_neox, t)
             kq, ks, vq, vs = self.arena.layer(li)
             K.kv_store(k3, v.reshape(n, c.n_kv_heads, c.head_dim), kq, ks, vq, vs, pos0, t)
             att = s.get("att", n, self.q_dim)
@@ -136,6 +151,8 @@ class Transformer:
             K.swiglu(gate, up, gate, t)
             proj = self._matmul(L.w_down, gate, s.get("proj", n, c.hidden))
             x += proj
+            if vision is not None and li < len(vision.deepstack):
+                x[vision.rows] += vision.deepstack[li]
 
         if logits_out is not None:
             K.rmsnorm(x, self.w.out_norm, c.norm_eps, xn, t)

@@ -90,7 +90,8 @@ class Engine:
     """
 
     def __init__(self, model, max_seq: int = 8192, threads: int = 1, prefix_kv: bool = True,
-                 prefix_min: int = 16, kv_bs: int = 32, prefill_chunk: int = 256):
+                 prefix_min: int = 16, kv_bs: int = 32, prefill_chunk: int = 256,
+                 disk_kv=None):
         from .arena import KVArena
         from .chat import ChatTemplate
         from .forward import Transformer
@@ -106,6 +107,7 @@ class Engine:
         self.transformer = Transformer(model, self.arena, prefill_chunk, threads)
         self.vocab_size = c.vocab
         self.chat = ChatTemplate(model.chat_template)
+        self.disk_kv = disk_kv      # diskkv.DiskKV or None: snapshots that outlive the process
 
     @classmethod
     def from_config(cls, model, cfg) -> "Engine":
@@ -128,8 +130,31 @@ class Engine:
         return self.chat.render(messages, add_generation_prompt=True,
                                 enable_thinking=enable_thinking, **special)
 
+    def chat_prompt(self, messages, enable_thinking: bool = False):
+        """(ids, VisionPrompt or None) of a conversation whose messages may hold image parts
+        ({"type": "image", "path" | "data"}): rendered, tokenized, each image decoded and
+        preprocessed and its placeholder widened to its tokens. Bad images: BadRequest."""
+        from ..errors import BadRequest
+        from .images import decode_image, preprocess, read_image_part
+        from .qwen3vl import build_prompt, chat_images
+
+        rendered, parts = chat_images(messages)
+        ids = self.tokenize(self.render_chat(rendered, enable_thinking), add_special=False)
+        if not parts:
+            return ids, None
+        vision = self.model.vision
+        if vision is None:
+            raise BadRequest(f"the model {self.model.config.name} takes no images")
+        images = [preprocess(decode_image(read_image_part(p)), vision.cfg.image) for p in parts]
+        return build_prompt(ids, images, vision.cfg)
+
     def stats(self) -> dict:
         return {"cache_len": self.arena.cache_len, "prefix": self.prefix.stats()}
+
+    def close(self) -> None:
+        """At shutdown: let the disk KV writer finish what is queued."""
+        if self.disk_kv is not None:
+            self.disk_kv.close()
 
     # ---- checks -------------------------------------------------------------------
     def _check_prompt(self, ids) -> list:
@@ -146,7 +171,7 @@ class Engine:
         return ids
 
     # ---- forward ------------------------------------------------------------------
-    def _prefill(self, ids, start: int, should_stop, on_progress):
+    def _prefill(self, ids, start: int, should_stop, on_progress, vision=None):
         """Prefill ids[start:] in chunks; returns the last logits, or None if stopped."""
         logits = None
         total = len(ids) - start
@@ -155,15 +180,17 @@ class Engine:
             if should_stop is not None and should_stop():
                 return None
             n = min(self.prefill_chunk, len(ids) - pos)
-            logits = self.transformer.forward(ids[pos:pos + n], pos)
+            logits = self.transformer.forward(
+                ids[pos:pos + n], pos, vision=vision.chunk(pos, pos + n) if vision else None)
             pos += n
             self.arena.cache_len = pos
             if on_progress is not None:
                 on_progress(pos - start, total)
         return logits
 
-    def forward_logits(self, ids, start_pos: int = 0) -> np.ndarray:
+    def forward_logits(self, ids, start_pos: int = 0, vision=None) -> np.ndarray:
         """Logits (n, vocab) for every token of `ids` placed at start_pos.. (tests, diagnostics).
+        `vision`: the encoded VisionPrompt of a whole prompt `ids` (start_pos 0).
 
         The arena must hold valid KV for [0, start_pos); the prefix state is forgotten."""
         ids = list(ids)
@@ -174,24 +201,39 @@ class Engine:
         out = np.empty((len(ids), self.vocab_size), dtype=np.float32)
         for i in range(0, len(ids), self.prefill_chunk):
             chunk = ids[i:i + self.prefill_chunk]
-            self.transformer.forward(chunk, start_pos + i, logits_out=out[i:i + len(chunk)])
+            self.transformer.forward(chunk, start_pos + i, logits_out=out[i:i + len(chunk)],
+                                     vision=vision.chunk(i, i + len(chunk)) if vision else None)
             self.arena.cache_len = start_pos + i + len(chunk)
         return out
 
     # ---- generation ---------------------------------------------------------------
     def generate(self, ids, opts: SamplingOptions, on_token: Optional[TokenFn] = None,
                  on_progress: Optional[ProgressFn] = None,
-                 should_stop: Optional[StopFn] = None) -> Completion:
-        """Prefill the prompt (reusing the common prefix) and decode up to max_tokens."""
+                 should_stop: Optional[StopFn] = None, vision=None) -> Completion:
+        """Prefill the prompt (reusing the common prefix) and decode up to max_tokens.
+
+        `vision` (Qwen3-VL): the prompt's qwen3vl.VisionPrompt from `chat_prompt`; its keys
+        (image hashes on placeholder tokens) take the place of the ids in the prefix match."""
         from .sampler import Sampler
 
         ids = self._check_prompt(ids)
+        if vision is None and self.model.vision is not None \
+                and self.model.vision.cfg.image_token_id in ids:
+            from ..errors import BadRequest
+            raise BadRequest("the prompt holds image placeholder tokens but no images "
+                             "(send image parts in chat messages)")
         t0 = time.perf_counter()
-        plan = self.prefix.plan(ids, self.arena.cache_len)
+        keys = vision.keys if vision is not None else ids
+        plan = self.prefix.plan(keys, self.arena.cache_len)
         self.arena.reset(plan.keep)
+        from_disk = self.disk_kv.restore(keys, self.arena) if self.disk_kv is not None else 0
+        keep = from_disk or plan.keep
+        source = "disk" if from_disk else ("memory" if plan.hit else None)
         generated: list = []
         try:
-            logits = self._prefill(ids, plan.keep, should_stop, on_progress)
+            if vision is not None:
+                vision.encode(self.model.vision, keep, self.threads)
+            logits = self._prefill(ids, keep, should_stop, on_progress, vision)
             t_prefill = time.perf_counter()
             room = self.arena.max_seq - len(ids)
             max_tokens = min(opts.max_tokens, room)
@@ -234,7 +276,8 @@ class Engine:
                     finish = "cancelled"
                     break
                 pos = len(ids) + len(generated) - 1
-                logits = self.transformer.forward([tok], pos)
+                logits = self.transformer.forward(
+                    [tok], pos, vision=vision.decode_positions(pos) if vision and vision.delta else None)
                 self.arena.cache_len = pos + 1
             if finish != "stop" or stops.find(text) < 0:
                 text += decoder.flush()
@@ -242,18 +285,21 @@ class Engine:
                 on_token(TokenEvent(pending, text[emitted:], None))
             t_end = time.perf_counter()
         except BaseException:
-            self.prefix.commit((ids + generated)[:self.arena.cache_len])
+            self.prefix.commit((keys + generated)[:self.arena.cache_len])
             raise
         if finish == "cancelled":
-            self.prefix.commit((ids + generated)[:self.arena.cache_len])
+            self.prefix.commit((keys + generated)[:self.arena.cache_len])
         else:
-            self.prefix.commit(ids + generated)
+            self.prefix.commit(keys + generated)
+        if self.disk_kv is not None:
+            self.disk_kv.save(self.prefix.last_ids[:self.arena.cache_len], self.arena)
         out_ids = generated[:-1] if finish == "stop" and generated and generated[-1] in eos else generated
         prefill_ms = (t_prefill - t0) * 1e3
         return Completion(
             text=text, ids=out_ids, finish_reason=finish, prompt_tokens=len(ids),
-            cached_tokens=plan.keep, prefill_tokens=len(ids) - plan.keep,
+            cached_tokens=keep, prefill_tokens=len(ids) - keep,
             completion_tokens=len(out_ids), prefill_ms=prefill_ms,
             decode_ms=(t_end - t_prefill) * 1e3,
             ttft_ms=((t_first or t_end) - t0) * 1e3, logprobs=lps,
-            prefix_event=plan.log_line)
+            prefix_event=plan.log_line,
+            extra={"cached_source": source, **(vision.figures() if vision is not None else {})})

@@ -19,8 +19,10 @@ from .model import Q8_BLOCK, Q8_BLOCK_BYTES, ModelConfig, Q8Experts, Q8Matrix
 from .quant import bf16_to_f32, float_to_q8_0
 from .tokenizer import Tokenizer
 
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
-                 "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                 "Qwen3MoeForCausalLM": "qwen3moe", "Qwen3VLForConditionalGeneration": "qwen3vl"}
+# Qwen3-VL nests its language model: config.json's text_config, tensors under this prefix.
+VL_TEXT_PREFIX = "model.language_model."
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # BF16 as raw bits
 _MAX_HEADER_BYTES = 100 << 20
 
@@ -111,6 +113,8 @@ class HFSource:
         self.path = path
         self._config_file = os.path.join(path, "config.json")
         hf = self._read_json(self._config_file)
+        self.hf_config = hf
+        self._text_prefix = VL_TEXT_PREFIX if _is_vl(hf) else "model."
         self.keepalive = []  # every weight is converted (a copy): the file maps can close
         self._tensors = self._open_weights()
         self.config = self._read_config(hf)
@@ -177,6 +181,8 @@ class HFSource:
     # ---- config -----------------------------------------------------------------------
 
     def _read_config(self, hf: dict) -> ModelConfig:
+        if _is_vl(hf):
+            hf = _vl_text_config(hf, self._config_file)
         archs = hf.get("architectures") or []
         arch_name = archs[0] if archs else None
         if arch_name not in ARCHITECTURES:
@@ -206,12 +212,13 @@ class HFSource:
                 rope_theta=float(hf.get("rope_theta", 10000.0 if arch == "llama" else 1000000.0)),
                 norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 tied_embeddings=tied,
-                qk_norm=arch in ("qwen3", "qwen3moe"),
+                qk_norm=arch in ("qwen3", "qwen3moe", "qwen3vl"),
                 rope_neox=True,  # Hugging Face weights rotate halves (rotate_half)
                 context_length=int(hf.get("max_position_embeddings", 0)),
                 n_params=sum(int(np.prod(t.shape)) for name, t in self._tensors.items()
                              if not (tied and name == TENSOR_NAMES["output"])),
                 **(self._moe_hyperparameters(hf, need) if arch == "qwen3moe" else {}),
+                mrope_section=tuple(int(v) for v in hf.get("mrope_section") or ()),
             )
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{self._config_file}: bad value: {e}") from None
@@ -239,7 +246,8 @@ class HFSource:
 
     def name(self, role: str, layer: Optional[int] = None) -> str:
         """The directory's tensor name for a weight role (experts: `*` for the expert)."""
-        return TENSOR_NAMES[role].format(i=layer, e="*")
+        name = TENSOR_NAMES[role].format(i=layer, e="*")
+        return self._text_prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
     def _tensor(self, name: str, want: tuple) -> _Tensor:
         t = self._tensors.get(name)
@@ -276,8 +284,36 @@ class HFSource:
         t = self._tensor(self.name(role, layer), (rows, cols))
         return np.array(bf16_to_f32(t.data) if t.dtype == "BF16" else t.data, dtype=np.float32)
 
+    def tensor_f32(self, name: str, shape: tuple) -> np.ndarray:
+        """The tensor `name` (by its file name, e.g. a vision weight) as float32 (a copy)."""
+        t = self._tensor(name, tuple(shape))
+        return np.array(bf16_to_f32(t.data) if t.dtype == "BF16" else t.data, dtype=np.float32)
+
     def vector(self, role: str, layer: Optional[int], n: int) -> np.ndarray:
         """The float32 (n,) vector for `role` (a norm weight)."""
         t = self._tensor(self.name(role, layer), (n,))
         values = bf16_to_f32(t.data) if t.dtype == "BF16" else t.data
         return np.array(values, dtype=np.float32)
+
+
+def _is_vl(hf: dict) -> bool:
+    return (hf.get("architectures") or [None])[0] == "Qwen3VLForConditionalGeneration"
+
+
+def _vl_text_config(hf: dict, config_file: str) -> dict:
+    """Qwen3-VL's text_config as a flat Qwen3 config: architectures and tie_word_embeddings
+    from the top level, rope_theta and mrope_section out of rope_parameters (transformers 5)
+    or rope_scaling (older files)."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{config_file}: Qwen3-VL config without a text_config map")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    flat = dict(text, architectures=hf["architectures"],
+                tie_word_embeddings=hf.get("tie_word_embeddings",
+                                           text.get("tie_word_embeddings", False)))
+    if "rope_theta" not in flat and "rope_theta" in rope:
+        flat["rope_theta"] = rope["rope_theta"]
+    flat["mrope_section"] = rope.get("mrope_section") or ()
+    if flat["mrope_section"] and not rope.get("mrope_interleaved", True):
+        raise ModelLoadError(f"{config_file}: only interleaved M-RoPE (Qwen3-VL) is supported")
+    return flat

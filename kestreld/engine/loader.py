@@ -41,7 +41,16 @@ def load_model(path: str, cache_dir: Optional[str] = None) -> LoadedModel:
         source_format=source.source_format,
         source_dtype=source.source_dtype,
         keepalive=source.keepalive,
+        vision=_vision(source),
     )
+
+
+def _vision(source):
+    """Qwen3-VL's vision encoder (HF directories only; a GGUF holds the text model)."""
+    if source.config.arch != "qwen3vl" or source.source_format != "hf":
+        return None
+    from .vision import load_vision
+    return load_vision(source)
 
 
 def _open_gguf_cached(path: str, cache_dir: Optional[str]) -> GGUFSource:

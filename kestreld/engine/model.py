@@ -48,6 +48,9 @@ class ModelConfig:
     expert_ffn: int = 0           # SwiGLU intermediate size of one expert
     norm_topk_prob: bool = True   # rescale the k chosen router probabilities to sum to 1
     moe_layers: tuple = ()        # indices of the layers whose feed-forward is MoE
+    # Qwen3-VL: interleaved M-RoPE, frequencies per (t, h, w) component; () = plain RoPE.
+    # Text-only input has t = h = w, which is plain RoPE.
+    mrope_section: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -127,3 +130,4 @@ class LoadedModel:
     source_format: str            # "gguf" | "hf"
     source_dtype: str             # what the file held, e.g. "q8_0", "q4_1", "bf16"
     keepalive: list = field(default_factory=list)  # memory maps the arrays view into
+    vision: Optional[object] = None  # Qwen3-VL: the vision encoder (vision.VisionEncoder)

@@ -1,0 +1,6 @@
+"""`python -m kestrelctl`: the command-line client."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,619 @@
+"""The disk KV cache (`--disk-kv DIR`): arena rows kept as snapshot files that outlive
+the process, found again by longest common prefix (after a restart, or after another
+conversation overwrote the arena). docs/disk-kv.md has the file format and the safety
+argument; in short:
+
+- save (engine thread, after a request): the ids whose KV is valid are matched against the
+  snapshots; only the rows past the longest common prefix with the best one are copied out
+  of the arena (a delta naming that snapshot as its parent, at most MAX_CHAIN deep), and the
+  writer thread writes them: temp file, fsync, rename, fsync of DIR. The copy is what lets
+  the next request overwrite the arena at once; the engine never waits for the disk.
+- restore (engine thread, before the prefill): the snapshot with the longest common prefix
+  with the prompt, if it reaches prefix_min and beats what memory kept, is checked (header,
+  fingerprint of model + KV layout, ids compared, crc32 of the payload) and its rows are
+  copied from a memory map into the arena.
+- DIR is held under an exclusive flock; only names we generate (`kv-<32 hex>.kv`) are
+  read, opened relative to DIR with O_NOFOLLOW; the least recently used files are evicted
+  so that DIR stays under max_bytes. A bad file is skipped with a warning, never trusted.
+
+Thread-safety: `restore`, `save` and `close` run on the engine thread; the writer thread
+writes and evicts; `stats` may be called from any thread. `_lock` guards the index and the
+counters and is never held during file I/O.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import queue
+import re
+import secrets
+import stat
+import struct
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .. import __version__
+from ..errors import StartupError
+from .arena import kv_bytes_per_token_layer
+from .prefix import common_prefix_len
+
+log = logging.getLogger("kestreld.diskkv")
+
+FORMAT_VERSION = 1
+MAGIC = b"KSTRLKV\x00"
+HEADER_SIZE = 128                # fixed header, zero-padded; then ids, then the payload
+PAYLOAD_ALIGN = 64
+ID_BYTES = 8                     # int64 ids: token ids, or the negative image keys of Qwen3-VL
+# magic, version, header_size, fingerprint, n_tokens, base, parent, n_layers, n_kv_heads,
+# head_dim, payload_bytes, ids_crc, payload_crc; then the crc32 of these bytes
+_FIELDS = struct.Struct("<8sII32sII16sIIIQII")
+_CRC = struct.Struct("<I")
+NAME = re.compile(r"kv-[0-9a-f]{32}\.kv")
+TEMP = re.compile(r"kv-[0-9a-f]{32}\.tmp")
+MAX_CHAIN = 8                    # deltas on a full snapshot before the next one is written whole
+WRITE_QUEUE = 4                  # snapshots waiting for the writer; beyond, new ones are dropped
+MODEL_HEAD_BYTES = 4 << 20       # hashed from the model file: the GGUF header and metadata
+MODEL_TAIL_BYTES = 64 << 10
+CLOSE_WAIT_S = 10.0              # at shutdown: for the writer's queue (within TimeoutStopSec=30)
+
+
+# ---------------------------------------------------------------- identity of the KV
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The arena's shape; a snapshot is only ever loaded into the same one."""
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    max_seq: int
+
+    def row_bytes(self) -> int:
+        """Bytes of one token's K, V and scales over all layers."""
+        return self.n_layers * kv_bytes_per_token_layer(self.n_kv_heads, self.head_dim)
+
+
+def model_identity(path: str) -> bytes:
+    """Size, mtime and a hash of the head and tail of the model file (of every file of a
+    model directory): cheap at each start, never a hash of gigabytes of weights."""
+    h = hashlib.blake2b(digest_size=32)
+    files = ([(os.path.join(path, n), n) for n in sorted(os.listdir(path))]
+             if os.path.isdir(path) else [(path, "")])
+    for p, name in files:
+        st = os.stat(p)
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(MODEL_HEAD_BYTES))
+            if st.st_size > MODEL_HEAD_BYTES:
+                f.seek(max(MODEL_HEAD_BYTES, st.st_size - MODEL_TAIL_BYTES))
+                h.update(f.read())
+    return h.digest()
+
+
+def kv_fingerprint(model, max_seq: int) -> bytes:
+    """What a snapshot is valid for: this model file, its hyperparameters (layers, KV heads,
+    head_dim, RoPE theta and style, ...), the arena's layout and dtypes, the format and the
+    Kestrel version that computed the KV, and the byte order."""
+    c = model.config
+    key = repr((FORMAT_VERSION, __version__, sys.byteorder, "k,v int8 + f32 scale per head",
+                sorted(dataclasses.asdict(c).items()),
+                KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, max_seq)))
+    return hashlib.blake2b(key.encode() + model_identity(model.path), digest_size=32).digest()
+
+
+# ---------------------------------------------------------------- the file format
+
+def _payload_sizes(layout: KVLayout, rows: int) -> tuple[int, int]:
+    """(bytes of k_q, bytes of k_s) for `rows` tokens; the payload is k_q v_q k_s v_s."""
+    q = layout.n_layers * layout.n_kv_heads * rows * layout.head_dim
+    return q, layout.n_layers * layout.n_kv_heads * rows * 4
+
+
+def _payload_offset(n_tokens: int) -> int:
+    end = HEADER_SIZE + ID_BYTES * n_tokens
+    return -(-end // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+
+
+def file_size(layout: KVLayout, n_tokens: int, base: int) -> int:
+    """Size of a snapshot file of ids [0, n_tokens) holding rows [base, n_tokens)."""
+    q, s = _payload_sizes(layout, n_tokens - base)
+    return _payload_offset(n_tokens) + 2 * q + 2 * s
+
+
+@dataclass(frozen=True)
+class Header:
+    fingerprint: bytes
+    n_tokens: int                # ids in the file: rows [0, n_tokens) of the chain
+    base: int                    # rows [0, base) are the parent's, [base, n_tokens) this file's
+    parent: Optional[str]        # the parent's file name
+    layout: tuple                # (n_layers, n_kv_heads, head_dim)
+    payload_bytes: int
+    ids_crc: int
+    payload_crc: int
+
+    def pack(self) -> bytes:
+        parent = bytes.fromhex(self.parent[3:35]) if self.parent else bytes(16)
+        body = _FIELDS.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, self.fingerprint, self.n_tokens,
+                            self.base, parent, *self.layout, self.payload_bytes, self.ids_crc,
+                            self.payload_crc)
+        return (body + _CRC.pack(zlib.crc32(body))).ljust(HEADER_SIZE, b"\0")
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "Header":
+        """The header of a snapshot file; ValueError saying what is wrong."""
+        if len(raw) < HEADER_SIZE:
+            raise ValueError(f"header of {len(raw)} bytes, want {HEADER_SIZE}")
+        body = raw[:_FIELDS.size]
+        (magic, version, header_size, fp, n, base, parent, n_layers, n_kv, hd, payload_bytes,
+         ids_crc, payload_crc) = _FIELDS.unpack(body)
+        if magic != MAGIC:
+            raise ValueError("not a Kestrel KV snapshot (bad magic)")
+        if version != FORMAT_VERSION or header_size != HEADER_SIZE:
+            raise ValueError(f"format version {version}, this Kestrel reads {FORMAT_VERSION}")
+        if _CRC.unpack_from(raw, _FIELDS.size)[0] != zlib.crc32(body):
+            raise ValueError("header checksum mismatch")
+        if base > n or (base == 0) != (parent == bytes(16)):
+            raise ValueError(f"inconsistent header: base {base}, {n} tokens")
+        return cls(fp, n, base, f"kv-{parent.hex()}.kv" if base else None, (n_layers, n_kv, hd),
+                   payload_bytes, ids_crc, payload_crc)
+
+
+@dataclass
+class Snapshot:
+    """One snapshot file as the index knows it."""
+    name: str
+    ids: np.ndarray              # int64 (n,): the prefix keys of rows [0, n) (this file + parents)
+    base: int                    # rows [0, base) come from the parent, [base, n) from this file
+    parent: Optional[str]
+    nbytes: int                  # the file's size
+    last_used: int               # ns; kept on disk as the file's mtime
+    ours: bool                   # made for this model and layout (else only counted and evicted)
+    written: bool = True         # False while it waits for the writer
+
+
+# ---------------------------------------------------------------- the store
+
+class DiskKV:
+    """Snapshots of arena rows in one directory; see the module docstring."""
+
+    def __init__(self, directory: str, max_bytes: int, fingerprint: bytes, layout: KVLayout,
+                 prefix_min: int = 16):
+        self.directory = os.path.abspath(directory)
+        self.max_bytes = max_bytes
+        self.fingerprint = fingerprint
+        self.layout = layout
+        self.prefix_min = prefix_min
+        self._lock = threading.Lock()
+        self._index: dict[str, Snapshot] = {}
+        self._counts = dict(hits=0, misses=0, bytes_read=0, bytes_written=0, writes=0,
+                            evictions=0, rejected=0, dropped=0)
+        self._dir_fd = self._open_dir()
+        self._closed = False
+        try:
+            self._scan()
+        except OSError as e:
+            os.close(self._dir_fd)
+            raise StartupError(f"--disk-kv {self.directory}: cannot read it: {e}") from None
+        self._queue: queue.Queue = queue.Queue(WRITE_QUEUE)
+        self._writer = threading.Thread(target=self._write_loop, name="kestrel-disk-kv", daemon=True)
+        self._writer.start()
+        s = self.stats()
+        log.info("disk KV cache %s: %d snapshots, %.1f MB of max %.1f MB", self.directory,
+                 s["files"], s["bytes"] / 1e6, max_bytes / 1e6)
+
+    @classmethod
+    def for_model(cls, directory: str, max_bytes: int, model, max_seq: int,
+                  prefix_min: int = 16) -> "DiskKV":
+        """The store for this model's arena of `max_seq` tokens."""
+        c = model.config
+        return cls(directory, max_bytes, kv_fingerprint(model, max_seq),
+                   KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, max_seq), prefix_min)
+
+    # ------------------------------------------------------------ engine thread
+
+    def restore(self, ids, arena) -> int:
+        """Copy into the arena, after its valid cache, the rows of the snapshot with the
+        longest common prefix with the prompt `ids`; returns the new cache_len, or 0 if the
+        disk holds nothing better than the memory (arena.cache_len) or nothing verified."""
+        self._check_arena(arena)
+        have = arena.cache_len
+        prompt = np.asarray(ids, dtype=np.int64)
+        with self._lock:
+            best, lcp = self._best(prompt, written_only=True)
+            chain = self._chain(best) if best is not None else []
+        keep = min(lcp, len(prompt) - 1)
+        if keep < self.prefix_min or keep <= have:
+            if have == 0:
+                self._count(misses=1)
+                log.info("[KV-DISK] miss lcp=%d", lcp)
+            return 0
+        t0 = time.perf_counter()
+        nread = self._load(chain, prompt, have, keep, arena)
+        if nread is None:
+            self._count(misses=1)
+            return 0
+        arena.cache_len = keep
+        self._touch(chain)
+        self._count(hits=1, bytes_read=nread)
+        log.info("[KV-DISK] hit keep=%d prompt=%d prefill=%d file=%s (+%d parents) "
+                 "read=%.1f MB in %.0f ms", keep, len(prompt), len(prompt) - keep, best.name,
+                 len(chain) - 1, nread / 1e6, (time.perf_counter() - t0) * 1e3)
+        return keep
+
+    def save(self, ids, arena) -> None:
+        """After a request: hand the writer the rows of `ids` (the tokens whose KV is valid
+        in the arena, in order) that no snapshot holds yet. They are copied out of the arena
+        here, so the next request may overwrite it at once; this never waits for the disk."""
+        self._check_arena(arena)
+        new = np.asarray(ids, dtype=np.int64)
+        n = len(new)
+        if n < self.prefix_min or n > arena.cache_len:
+            return
+        with self._lock:
+            parent, lcp = self._best(new, written_only=False)
+            if parent is not None and lcp == n:      # all on disk already: just keep it fresh
+                chain = self._chain(parent)
+                entry = None
+            else:
+                if parent is not None and (lcp < self.prefix_min or
+                                           len(self._chain(parent)) > MAX_CHAIN):
+                    parent = None
+                base = lcp if parent is not None else 0
+                entry = Snapshot(f"kv-{secrets.token_hex(16)}.kv", new, base,
+                                 parent.name if parent else None, file_size(self.layout, n, base),
+                                 time.time_ns(), ours=True, written=False)
+                chain = self._chain(parent) if parent is not None else []
+                if entry.nbytes > self.max_bytes:
+                    log.info("[KV-DISK] %d tokens not saved: %d bytes exceed the cap of %d",
+                             n, entry.nbytes, self.max_bytes)
+                    self._counts["dropped"] += 1
+                    entry = None
+                else:
+                    self._index[entry.name] = entry   # from now on its parents are not evicted
+        self._touch(chain)
+        if entry is None:
+            return
+        rows = [np.ascontiguousarray(a[:, :, entry.base:n])
+                for a in (arena.k_q, arena.v_q, arena.k_s, arena.v_s)]
+        try:
+            self._queue.put_nowait((entry, rows))
+        except queue.Full:
+            log.warning("[KV-DISK] writer behind (%d snapshots queued): %d tokens not saved",
+                        WRITE_QUEUE, n)
+            with self._lock:
+                self._index.pop(entry.name, None)
+                self._counts["dropped"] += 1
+
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Write what is queued (waiting at most `timeout` s), stop the writer, release DIR.
+        Once; later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join(timeout)
+        if self._writer.is_alive():
+            log.warning("[KV-DISK] writer still busy after %.0f s; its snapshot is lost", timeout)
+            return
+        os.close(self._dir_fd)
+
+    # ------------------------------------------------------------ any thread
+
+    def stats(self) -> dict:
+        """Files and bytes in DIR, hits, misses, bytes read and written, and the rest."""
+        with self._lock:
+            written = [s for s in self._index.values() if s.written]
+            return {"enabled": True, "dir": self.directory,
+                    "files": sum(s.ours for s in written),
+                    "foreign_files": sum(not s.ours for s in written),
+                    "bytes": sum(s.nbytes for s in written), "max_bytes": self.max_bytes,
+                    "queued": len(self._index) - len(written), **self._counts}
+
+    # ------------------------------------------------------------ index (under _lock)
+
+    def _best(self, ids: np.ndarray, written_only: bool) -> tuple[Optional[Snapshot], int]:
+        """The snapshot of ours sharing the longest prefix with ids (fewest files on a tie)."""
+        best, best_key = None, (0, 0)
+        for s in self._index.values():
+            if s.ours and (s.written or not written_only):
+                key = (common_prefix_len(ids, s.ids), -len(self._chain(s)))
+                if key > best_key:
+                    best, best_key = s, key
+        return best, best_key[0]
+
+    def _chain(self, s: Snapshot) -> list:
+        """s, its parent, its parent's parent, ... (all present: see _drop)."""
+        out = [s]
+        while out[-1].parent is not None:
+            out.append(self._index[out[-1].parent])
+        return out
+
+    def _with_children(self, names) -> set:
+        """names and every snapshot built on them, directly or not."""
+        out = {n for n in names if n in self._index}
+        while True:
+            more = {s.name for s in self._index.values() if s.parent in out} - out
+            if not more:
+                return out
+            out |= more
+
+    def _drop(self, names) -> list:
+        """Remove snapshots and everything built on them from the index; their names."""
+        gone = self._with_children(names)
+        for n in gone:
+            del self._index[n]
+        return sorted(gone)
+
+    def _victims(self, entry: Snapshot) -> Optional[list]:
+        """Remove from the index the least recently used files to delete so that `entry`
+        fits under max_bytes, and return their names (None: it cannot fit; nothing removed).
+        Snapshots waiting for the writer and their parents are never chosen."""
+        total = sum(s.nbytes for s in self._index.values() if s.written) + entry.nbytes
+        keep = {p.name for s in self._index.values() if not s.written for p in self._chain(s)}
+        candidates = sorted((s for s in self._index.values() if s.written and s.name not in keep),
+                            key=lambda s: (s.last_used, -(len(self._chain(s)) if s.ours else 0)))
+        chosen: set = set()
+        for s in candidates:
+            if total <= self.max_bytes:
+                break
+            if s.name not in chosen:
+                more = self._with_children([s.name]) - chosen
+                chosen |= more
+                total -= sum(self._index[n].nbytes for n in more)
+        return self._drop(chosen) if total <= self.max_bytes else None
+
+    # ------------------------------------------------------------ files
+
+    def _open_dir(self) -> int:
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise StartupError(f"--disk-kv {self.directory}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise StartupError(f"--disk-kv {self.directory} is in use by another kestreld") from None
+        return fd
+
+    def _open(self, name: str) -> int:
+        """Open one of our files read-only inside DIR: never through a symlink, never a FIFO
+        or device (OSError)."""
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=self._dir_fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file")
+        return fd
+
+    def _scan(self) -> None:
+        """Rebuild the index from DIR: remove temp files of interrupted writes, read each
+        snapshot's header and ids, drop the corrupt and those whose parent is gone."""
+        for name in sorted(os.listdir(self._dir_fd)):
+            if TEMP.fullmatch(name):
+                log.info("[KV-DISK] removing %s, left by an interrupted write", name)
+                self._unlink(name)
+            elif NAME.fullmatch(name):
+                try:
+                    self._index[name] = self._read_entry(name)
+                except OSError as e:
+                    log.warning("[KV-DISK] %s skipped: %s", name,
+                                "a symlink, not followed" if e.errno == errno.ELOOP else e.strerror)
+                except ValueError as e:
+                    log.warning("[KV-DISK] %s is corrupt (%s): not used, removed", name, e)
+                    self._counts["rejected"] += 1
+                    self._unlink(name)
+        broken = [s.name for s in self._index.values() if s.ours and not self._chain_ok(s)]
+        for name in self._drop(broken):
+            log.warning("[KV-DISK] %s: a parent is gone, differs or loops: removed", name)
+            self._unlink(name)
+
+    def _chain_ok(self, s: Snapshot) -> bool:
+        """Every parent present, of ours, holding the ids the child relies on; no loop."""
+        seen = set()
+        while s.parent is not None:
+            p = self._index.get(s.parent)
+            if (p is None or not p.ours or p.name in seen or len(seen) > MAX_CHAIN
+                    or common_prefix_len(p.ids, s.ids) < s.base):
+                return False
+            seen.add(p.name)
+            s = p
+        return True
+
+    def _read_entry(self, name: str) -> Snapshot:
+        """The index entry of a file: its header and ids checked, payload not read."""
+        fd = self._open(name)
+        try:
+            st = os.fstat(fd)
+            h = Header.parse(os.pread(fd, HEADER_SIZE, 0))
+            ids = os.pread(fd, ID_BYTES * h.n_tokens, HEADER_SIZE)
+        finally:
+            os.close(fd)
+        if zlib.crc32(ids) != h.ids_crc or len(ids) != ID_BYTES * h.n_tokens:
+            raise ValueError("ids checksum mismatch")
+        layout = KVLayout(*h.layout, self.layout.max_seq)
+        if st.st_size != file_size(layout, h.n_tokens, h.base):
+            raise ValueError(f"{st.st_size} bytes, the header says "
+                             f"{file_size(layout, h.n_tokens, h.base)}")
+        ours = (h.fingerprint == self.fingerprint and layout == self.layout
+                and h.n_tokens < self.layout.max_seq)
+        return Snapshot(name, np.frombuffer(ids, dtype="<i8").astype(np.int64), h.base, h.parent,
+                        st.st_size, st.st_mtime_ns, ours)
+
+    def _load(self, chain: list, prompt: np.ndarray, lo: int, hi: int, arena) -> Optional[int]:
+        """Copy rows [lo, hi) of the chain into the arena, each file verified first; bytes
+        read, or None if a file is missing or bad (it and its children are then removed)."""
+        nread = 0
+        for s in chain:
+            a, b = max(lo, s.base), hi
+            if a < b:
+                try:
+                    nread += self._copy_rows(s, prompt, a, b, arena)
+                except (OSError, ValueError) as e:
+                    log.warning("[KV-DISK] %s not used (%s): removed", s.name,
+                                getattr(e, "strerror", None) or e)
+                    with self._lock:
+                        self._counts["rejected"] += 1
+                        gone = self._drop([s.name])
+                    for name in gone:
+                        self._unlink(name)
+                    return None
+            hi = min(hi, s.base)
+            if hi <= lo:
+                break
+        return nread
+
+    def _copy_rows(self, s: Snapshot, prompt: np.ndarray, a: int, b: int, arena) -> int:
+        """Verify one file against its index entry and the prompt, then copy its rows [a, b)
+        into the arena from a read-only memory map. Returns the file's size."""
+        fd = self._open(s.name)
+        try:
+            size = os.fstat(fd).st_size
+            if size != s.nbytes:
+                raise ValueError(f"{size} bytes, indexed with {s.nbytes}")
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        h = Header.parse(mm[:HEADER_SIZE])
+        if (h.fingerprint, h.n_tokens, h.base, h.parent) != (self.fingerprint, len(s.ids), s.base, s.parent):
+            raise ValueError("header differs from the one indexed")
+        ids = np.frombuffer(mm, dtype="<i8", count=h.n_tokens, offset=HEADER_SIZE)
+        if zlib.crc32(ids) != h.ids_crc or not np.array_equal(ids[:b], prompt[:b]):
+            raise ValueError("token ids differ from the prompt's")
+        off = _payload_offset(h.n_tokens)
+        if zlib.crc32(memoryview(mm)[off:off + h.payload_bytes]) != h.payload_crc:
+            raise ValueError("payload checksum mismatch")
+        L, H, D = h.layout
+        m = h.n_tokens - h.base
+        q, sc = _payload_sizes(self.layout, m)
+        k_q = np.frombuffer(mm, np.int8, q, off).reshape(L, H, m, D)
+        v_q = np.frombuffer(mm, np.int8, q, off + q).reshape(L, H, m, D)
+        k_s = np.frombuffer(mm, np.float32, q // D, off + 2 * q).reshape(L, H, m)
+        v_s = np.frombuffer(mm, np.float32, q // D, off + 2 * q + sc).reshape(L, H, m)
+        r0, r1 = a - h.base, b - h.base
+        arena.k_q[:, :, a:b] = k_q[:, :, r0:r1]
+        arena.v_q[:, :, a:b] = v_q[:, :, r0:r1]
+        arena.k_s[:, :, a:b] = k_s[:, :, r0:r1]
+        arena.v_s[:, :, a:b] = v_s[:, :, r0:r1]
+        return size          # the map goes with its last view (no close: views may outlive it)
+
+    def _touch(self, chain: list) -> None:
+        """Mark snapshots used now: in the index and as the files' mtime (LRU after a restart)."""
+        now = time.time_ns()
+        with self._lock:
+            for s in chain:
+                s.last_used = now
+        for s in chain:
+            if s.written:
+                try:
+                    os.utime(s.name, ns=(now, now), dir_fd=self._dir_fd, follow_symlinks=False)
+                except OSError:
+                    pass              # gone meanwhile: the next lookup will notice
+
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------ writer thread
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            entry, rows = job
+            try:
+                self._write(entry, rows)
+            except Exception as e:     # a full disk, or a bug: the daemon goes on without it
+                if isinstance(e, OSError):
+                    log.warning("[KV-DISK] cannot write %s: %s", entry.name, e.strerror or e)
+                else:
+                    log.exception("[KV-DISK] cannot write %s", entry.name)
+                with self._lock:
+                    self._drop([entry.name])
+                    self._counts["dropped"] += 1
+
+    def _write(self, entry: Snapshot, rows: list) -> None:
+        """Evict for room, then write one snapshot atomically: a temp file in DIR, fsync,
+        rename over nothing, fsync DIR. A crash leaves a temp file (removed at the next
+        start) or the whole snapshot, never a torn one under its final name."""
+        with self._lock:
+            parent = self._index.get(entry.parent) if entry.parent else None
+            parent_ok = entry.parent is None or (parent is not None and parent.written)
+            victims = self._victims(entry) if parent_ok else None
+            if victims is None:
+                self._drop([entry.name])
+                self._counts["dropped"] += 1
+            else:
+                self._counts["evictions"] += len(victims)
+        if victims is None:
+            log.warning("[KV-DISK] %s not written: %s", entry.name,
+                        f"does not fit in {self.max_bytes} bytes" if parent_ok
+                        else "its parent was not written")
+            return
+        for name in victims:
+            log.info("[KV-DISK] evict file=%s (least recently used)", name)
+            self._unlink(name)
+        t0 = time.perf_counter()
+        payload_crc = 0
+        for a in rows:
+            payload_crc = zlib.crc32(a, payload_crc)
+        ids = entry.ids.astype("<i8").tobytes()
+        header = Header(self.fingerprint, len(entry.ids), entry.base, entry.parent,
+                        (self.layout.n_layers, self.layout.n_kv_heads, self.layout.head_dim),
+                        sum(a.nbytes for a in rows), zlib.crc32(ids), payload_crc).pack()
+        tmp = entry.name[:-3] + ".tmp"
+        try:
+            with open(tmp, "xb", opener=self._create) as f:
+                f.write(header)
+                f.write(ids)
+                f.write(bytes(_payload_offset(len(entry.ids)) - HEADER_SIZE - len(ids)))
+                for a in rows:
+                    f.write(a)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, entry.name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except BaseException:
+            self._unlink(tmp)
+            raise
+        os.fsync(self._dir_fd)
+        mtime = os.stat(entry.name, dir_fd=self._dir_fd, follow_symlinks=False).st_mtime_ns
+        with self._lock:
+            entry.written = True
+            entry.last_used = max(entry.last_used, mtime)
+            self._counts["writes"] += 1
+            self._counts["bytes_written"] += entry.nbytes
+        log.info("[KV-DISK] wrote file=%s tokens=%d rows=%d..%d parent=%s %.1f MB in %.0f ms",
+                 entry.name, len(entry.ids), entry.base, len(entry.ids), entry.parent,
+                 entry.nbytes / 1e6, (time.perf_counter() - t0) * 1e3)
+
+    def _create(self, name: str, flags: int) -> int:
+        """open()'s opener: a new file in DIR, mode 0600, never through a symlink."""
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd)
+
+    # ------------------------------------------------------------ small helpers
+
+    def _count(self, **deltas) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counts[k] += v
+
+    def _check_arena(self, arena) -> None:
+        got = KVLayout(arena.n_layers, arena.n_kv_heads, arena.head_dim, arena.max_seq)
+        if got != self.layout:
+            raise ValueError(f"disk KV store made for {self.layout}, given an arena of {got}")

@@ -1,0 +1,138 @@
+"""Images for Qwen3-VL: bytes or a file -> checked RGB pixels -> the processor's patches.
+
+    read_image_part(part)   {"path"} or {"data"} -> bytes, bounded, readable by this process
+    decode_image(data)      bytes -> (H, W, 3) uint8 RGB (transparency composited onto white),
+                            dimensions checked before any pixel is decoded
+    preprocess(rgb, spec)   -> PreparedImage: resized as the model's processor does (both sides
+                            multiples of patch*merge, pixels within [min, max]; PIL bicubic),
+                            rescaled to [0, 1], normalized, cut into patches in merge-block order
+
+This is what transformers' Qwen2VLImageProcessorPil does for Qwen3-VL, except that the two
+identical temporal copies of each patch are not materialized (the encoder folds them into
+its patch-embedding weight). Every fault is a BadRequest that says what is wrong.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import BadRequest
+
+MAX_IMAGE_BYTES = 32 << 20        # one encoded image
+MAX_SOURCE_PIXELS = 50_000_000    # before resizing (a 7071 x 7071 image); decompression bombs
+MAX_ASPECT = 200                  # the processor's own limit
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """preprocessor_config.json of a Qwen3-VL model."""
+    patch: int = 16
+    merge: int = 2
+    temporal_patch: int = 2
+    min_pixels: int = 65536
+    max_pixels: int = 16777216
+    mean: tuple = (0.5, 0.5, 0.5)
+    std: tuple = (0.5, 0.5, 0.5)
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    patches: np.ndarray    # (gh*gw, 3*patch*patch) f32, merge-block order, (C, ph, pw) per row
+    grid_h: int            # patches down
+    grid_w: int            # patches across
+    digest: bytes          # sha256 of the decoded RGB pixels and their shape
+    source_size: tuple     # (width, height) as decoded
+
+    def n_tokens(self, merge: int) -> int:
+        """Placeholder tokens (= merged visual embeddings) of this image."""
+        return self.grid_h * self.grid_w // (merge * merge)
+
+
+def read_image_part(part: dict) -> bytes:
+    """The encoded bytes of an image part: {"data": bytes} as sent, or {"path": str} read
+    with the daemon's own permissions (absolute path to a regular file)."""
+    if "data" in part:
+        data = part["data"]
+    else:
+        path = part["path"]
+        if not os.path.isabs(path):
+            raise BadRequest(f"image path must be absolute, got {path!r}")
+        if os.path.exists(path) and not os.path.isfile(path):   # a FIFO would block the open
+            raise BadRequest(f"image path {path!r} is not a regular file")
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_IMAGE_BYTES + 1)
+        except FileNotFoundError:
+            raise BadRequest(f"image file {path!r} does not exist") from None
+        except PermissionError:
+            raise BadRequest(f"image file {path!r} is not readable by the daemon") from None
+        except OSError as e:
+            raise BadRequest(f"image file {path!r} cannot be read: {e.strerror}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise BadRequest(f"image of more than {MAX_IMAGE_BYTES} bytes; the limit is {MAX_IMAGE_BYTES}")
+    return bytes(data)
+
+
+def decode_image(data: bytes) -> np.ndarray:
+    """(H, W, 3) uint8 RGB of an encoded image (PNG, JPEG, ... whatever Pillow reads)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        im = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise BadRequest(f"not an image (Pillow cannot identify {len(data)} bytes)") from None
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types on corrupt headers
+        raise BadRequest(f"not a readable image: {type(e).__name__}: {e}") from None
+    w, h = im.size
+    if w < 1 or h < 1 or w * h > MAX_SOURCE_PIXELS:
+        raise BadRequest(f"image of {w}x{h} pixels; at most {MAX_SOURCE_PIXELS} pixels are accepted")
+    if max(w, h) / min(w, h) > MAX_ASPECT:
+        raise BadRequest(f"image of {w}x{h}: aspect ratio above {MAX_ASPECT}")
+    try:
+        im.load()
+    except Exception as e:  # noqa: BLE001 - truncated or corrupt pixel data
+        raise BadRequest(f"corrupt or truncated image ({im.format} {w}x{h}): {e}") from None
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        rgba = im.convert("RGBA")
+        im = Image.alpha_composite(Image.new("RGBA", im.size, (255, 255, 255, 255)), rgba)
+    return np.asarray(im.convert("RGB"), dtype=np.uint8)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
+    """The processor's target size: sides multiples of `factor`, area in [min, max] pixels,
+    aspect ratio kept as closely as possible (transformers' smart_resize)."""
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def preprocess(rgb: np.ndarray, spec: ImageSpec) -> PreparedImage:
+    """Resize, normalize and patchify one RGB image (H, W, 3) uint8."""
+    from PIL import Image
+
+    h, w = rgb.shape[:2]
+    rh, rw = smart_resize(h, w, spec.patch * spec.merge, spec.min_pixels, spec.max_pixels)
+    resized = np.asarray(Image.fromarray(rgb).resize((rw, rh), Image.Resampling.BICUBIC))
+    x = resized.astype(np.float64) * (1.0 / 255.0)
+    x = ((x.astype(np.float32) - np.asarray(spec.mean, np.float32))
+         / np.asarray(spec.std, np.float32))                       # (rh, rw, 3)
+    p, m = spec.patch, spec.merge
+    gh, gw = rh // p, rw // p
+    # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, p, p): merge blocks, then patches
+    x = x.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+    patches = np.ascontiguousarray(x.reshape(gh * gw, 3 * p * p), dtype=np.float32)
+    digest = hashlib.sha256(np.asarray(rgb.shape, np.int64).tobytes() + rgb.tobytes()).digest()
+    return PreparedImage(patches, gh, gw, digest, (w, h))

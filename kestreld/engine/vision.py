@@ -1,0 +1,283 @@
+"""Qwen3-VL's vision encoder: one image's patches -> visual embeddings + DeepStack features.
+
+Data flow for one image of gh x gw patches (N = gh*gw, in merge-block order), width H:
+
+    patches (N, 3*p*p) --patch_embed (the Conv3d as a matmul; its two temporal taps summed,
+      since the processor repeats the frame)--> x (N, H) += pos_embed bilinearly interpolated
+      (align_corners) from its side x side grid to gh x gw
+    depth x block:  x += proj(attn(rope2d(qkv(LN1(x)))));  x += fc2(gelu_tanh(fc1(LN2(x))))
+      attention is bidirectional over the image's N patches; 2-D RoPE: the first half of each
+      head's frequencies turns with the patch row, the second with its column (rotate-half)
+      after block i in deepstack_visual_indexes: deepstack.append(merger_i(x))
+    merger(x): LN per patch, 4 patches (a merge block) -> one row (N/4, 4H) -> fc1, GELU,
+      fc2 -> (N/4, out_hidden);  DeepStack mergers: the same with LN over the 4H row
+
+The block linears (qkv, proj, fc1, fc2: the bulk of the work) run on the Q8_0 matmul kernel
+with `threads` threads and 2-D RoPE on the rope kernel; the patch embedding and the mergers
+(few FLOPs, and they set the embeddings the language model sees) stay float32 (numpy BLAS),
+as do LayerNorm, GELU and the softmax attention (numpy). Buffers are allocated per image.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ModelLoadError
+from .images import ImageSpec, PreparedImage
+from .kernels import K
+from .model import Q8_BLOCK, Q8Matrix
+from .quant import float_to_q8_0
+
+LN_EPS = 1e-6
+VISUAL = "model.visual."
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden: int
+    n_heads: int
+    ffn: int
+    patch: int
+    temporal_patch: int
+    merge: int
+    out_hidden: int
+    pos_side: int                 # the learned position grid is pos_side x pos_side
+    deepstack: tuple              # block indices whose output feeds a DeepStack merger
+    rope_theta: float
+    image_token_id: int
+    vision_start_id: int
+    vision_end_id: int
+    image: ImageSpec
+
+
+class _Linear:
+    """y = x @ W.T + b, W (out, in): on the Q8_0 kernel, or float32 BLAS."""
+
+    def __init__(self, w: np.ndarray, b: np.ndarray, q8: bool):
+        self.rows, self.cols = w.shape
+        self.b = np.ascontiguousarray(b, np.float32)
+        self.q8 = Q8Matrix(float_to_q8_0(w), self.rows, self.cols) if q8 else None
+        self.wt = None if q8 else np.ascontiguousarray(w.T, np.float32)
+
+    def __call__(self, x: np.ndarray, threads: int) -> np.ndarray:
+        if self.q8 is None:
+            out = x @ self.wt
+        else:
+            n = x.shape[0]
+            xq = np.empty((n, self.cols), np.int8)
+            xd = np.empty((n, self.cols // Q8_BLOCK), np.float32)
+            out = np.empty((n, self.rows), np.float32)
+            K.quantize_q8_0(np.ascontiguousarray(x, np.float32), xq, xd, threads)
+            K.matmul_q8_0(self.q8.data, xq, xd, out, threads)
+        out += self.b
+        return out
+
+
+def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    mu = x.mean(axis=-1, keepdims=True)
+    xc = x - mu
+    var = (xc * xc).mean(axis=-1, keepdims=True)
+    return xc / np.sqrt(var + LN_EPS) * w + b
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + 0.044715 * x * x * x)))
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf to 1.5e-7 (Abramowitz & Stegun 7.1.26): numpy has none, and float32 needs no more."""
+    s = np.sign(x)
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
+                                                                          + t * 1.061405429))))
+    return s * (1.0 - poly * np.exp(-a * a))
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    return (0.5 * x * (1.0 + _erf(x * np.float32(0.7071067811865476)))).astype(np.float32)
+
+
+class _Merger:
+    """Four patches of a merge block -> one language-model embedding."""
+
+    def __init__(self, get, prefix: str, c: VisionConfig, postshuffle: bool):
+        wide = c.hidden * c.merge * c.merge
+        norm_n = wide if postshuffle else c.hidden
+        self.postshuffle, self.wide = postshuffle, wide
+        self.norm_w, self.norm_b = get(prefix + "norm.weight", (norm_n,)), get(prefix + "norm.bias", (norm_n,))
+        self.fc1 = _Linear(get(prefix + "linear_fc1.weight", (wide, wide)),
+                           get(prefix + "linear_fc1.bias", (wide,)), q8=False)
+        self.fc2 = _Linear(get(prefix + "linear_fc2.weight", (c.out_hidden, wide)),
+                           get(prefix + "linear_fc2.bias", (c.out_hidden,)), q8=False)
+
+    def __call__(self, x: np.ndarray, threads: int) -> np.ndarray:
+        if self.postshuffle:
+            h = _layer_norm(x.reshape(-1, self.wide), self.norm_w, self.norm_b)
+        else:
+            h = _layer_norm(x, self.norm_w, self.norm_b).reshape(-1, self.wide)
+        return self.fc2(_gelu(self.fc1(h, threads)), threads)
+
+
+class VisionEncoder:
+    """The loaded vision tower of a Qwen3-VL model. `encode` is called on the engine thread."""
+
+    def __init__(self, c: VisionConfig, get):
+        """`get(name, shape)` returns a float32 tensor of the model directory."""
+        self.cfg = c
+        H, p = c.hidden, c.patch
+        conv = get(VISUAL + "patch_embed.proj.weight", (H, 3, c.temporal_patch, p, p))
+        # The processor repeats the frame over the temporal taps: sum them once here.
+        self.patch_embed = _Linear(conv.sum(axis=2).reshape(H, 3 * p * p),
+                                   get(VISUAL + "patch_embed.proj.bias", (H,)), q8=False)
+        self.pos_embed = get(VISUAL + "pos_embed.weight", (c.pos_side * c.pos_side, H))
+        self.blocks = []
+        for i in range(c.depth):
+            b = f"{VISUAL}blocks.{i}."
+            self.blocks.append(dict(
+                norm1=(get(b + "norm1.weight", (H,)), get(b + "norm1.bias", (H,))),
+                norm2=(get(b + "norm2.weight", (H,)), get(b + "norm2.bias", (H,))),
+                qkv=_Linear(get(b + "attn.qkv.weight", (3 * H, H)), get(b + "attn.qkv.bias", (3 * H,)), True),
+                proj=_Linear(get(b + "attn.proj.weight", (H, H)), get(b + "attn.proj.bias", (H,)), True),
+                fc1=_Linear(get(b + "mlp.linear_fc1.weight", (c.ffn, H)),
+                            get(b + "mlp.linear_fc1.bias", (c.ffn,)), True),
+                fc2=_Linear(get(b + "mlp.linear_fc2.weight", (H, c.ffn)),
+                            get(b + "mlp.linear_fc2.bias", (H,)), True),
+            ))
+        self.merger = _Merger(get, VISUAL + "merger.", c, postshuffle=False)
+        self.deepstack_mergers = [_Merger(get, f"{VISUAL}deepstack_merger_list.{j}.", c, True)
+                                  for j in range(len(c.deepstack))]
+        self.head_dim = H // c.n_heads
+
+    # ---- per-image tables -------------------------------------------------------
+    def _block_order_rows_cols(self, gh: int, gw: int):
+        """Row and column of each patch, in the processor's merge-block order."""
+        m = self.cfg.merge
+        rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+        order = lambda a: a.reshape(gh // m, m, gw // m, m).transpose(0, 2, 1, 3).reshape(-1)  # noqa: E731
+        return order(rows), order(cols)
+
+    def _pos_embed(self, rows, cols, gh: int, gw: int) -> np.ndarray:
+        """Bilinear (align_corners) interpolation of the learned grid at each patch."""
+        side = self.cfg.pos_side
+
+        def taps(idx, size):
+            src = idx.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+            f = np.floor(src)
+            d = src - f
+            lo = np.clip(f.astype(np.int64), 0, side - 1)
+            hi = np.clip(f.astype(np.int64) + 1, 0, side - 1)
+            return (lo, hi), (1.0 - d, d)
+
+        (h0, h1), (wh0, wh1) = taps(rows, gh)
+        (w0, w1), (ww0, ww1) = taps(cols, gw)
+        E = self.pos_embed
+        return (E[h0 * side + w0] * (wh0 * ww0)[:, None] + E[h0 * side + w1] * (wh0 * ww1)[:, None]
+                + E[h1 * side + w0] * (wh1 * ww0)[:, None] + E[h1 * side + w1] * (wh1 * ww1)[:, None])
+
+    def _rope_tables(self, rows, cols):
+        """cos, sin (N, head_dim/2): rotate-half pair i turns by row*inv[i] (first half of
+        the pairs) or col*inv[i - head_dim/4] (second half)."""
+        quarter = self.head_dim // 4
+        inv = 1.0 / (self.cfg.rope_theta ** (np.arange(0, 2 * quarter, 2, dtype=np.float32)
+                                             / np.float32(2 * quarter)))
+        ang = np.concatenate([rows[:, None] * inv[None, :], cols[:, None] * inv[None, :]], axis=1)
+        return (np.ascontiguousarray(np.cos(ang), np.float32),
+                np.ascontiguousarray(np.sin(ang), np.float32))
+
+    # ---- the encoder ------------------------------------------------------------
+    def _attention(self, h: np.ndarray, blk: dict, cos, sin, threads: int) -> np.ndarray:
+        n, H = h.shape
+        nh, hd = self.cfg.n_heads, self.head_dim
+        qkv = blk["qkv"](h, threads).reshape(n, 3, nh, hd)
+        q = np.ascontiguousarray(qkv[:, 0])
+        k = np.ascontiguousarray(qkv[:, 1])
+        v = qkv[:, 2]
+        K.rope(q, cos, sin, 0, True, threads)
+        K.rope(k, cos, sin, 0, True, threads)
+        out = np.empty((n, nh, hd), np.float32)
+        scale = np.float32(hd ** -0.5)
+        for head in range(nh):   # one (n, n) score matrix at a time
+            s = (q[:, head] @ k[:, head].T) * scale
+            s -= s.max(axis=1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=1, keepdims=True)
+            out[:, head] = s @ v[:, head]
+        return blk["proj"](out.reshape(n, H), threads)
+
+    def encode(self, img: PreparedImage, threads: int):
+        """(embeds (n_tok, out_hidden), [deepstack_j (n_tok, out_hidden)]) of one image,
+        n_tok = gh*gw / merge^2, rows in the order of its placeholder tokens."""
+        gh, gw = img.grid_h, img.grid_w
+        rows, cols = self._block_order_rows_cols(gh, gw)
+        x = self.patch_embed(img.patches, threads)
+        x += self._pos_embed(rows, cols, gh, gw).astype(np.float32)
+        cos, sin = self._rope_tables(rows.astype(np.float32), cols.astype(np.float32))
+        deepstack = []
+        for i, blk in enumerate(self.blocks):
+            x += self._attention(_layer_norm(x, *blk["norm1"]), blk, cos, sin, threads)
+            h = blk["fc1"](_layer_norm(x, *blk["norm2"]), threads)
+            x += blk["fc2"](_gelu_tanh(h), threads)
+            if i in self.cfg.deepstack:
+                j = self.cfg.deepstack.index(i)
+                deepstack.append(self.deepstack_mergers[j](x, threads))
+        return self.merger(x, threads), deepstack
+
+
+def load_vision(source) -> VisionEncoder:
+    """The vision encoder of an opened Qwen3-VL HF directory (an HFSource)."""
+    hf, path = source.hf_config, source.path
+    v = hf.get("vision_config")
+    if not isinstance(v, dict):
+        raise ModelLoadError(f"{path}/config.json: Qwen3-VL config without a vision_config map")
+    try:
+        c = VisionConfig(
+            depth=int(v["depth"]), hidden=int(v["hidden_size"]), n_heads=int(v["num_heads"]),
+            ffn=int(v["intermediate_size"]), patch=int(v["patch_size"]),
+            temporal_patch=int(v.get("temporal_patch_size", 2)),
+            merge=int(v.get("spatial_merge_size", 2)), out_hidden=int(v["out_hidden_size"]),
+            pos_side=int(round(int(v["num_position_embeddings"]) ** 0.5)),
+            deepstack=tuple(int(i) for i in v.get("deepstack_visual_indexes") or ()),
+            rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            image_token_id=int(hf["image_token_id"]),
+            vision_start_id=int(hf["vision_start_token_id"]),
+            vision_end_id=int(hf["vision_end_token_id"]),
+            image=_image_spec(path, int(v["patch_size"]), int(v.get("spatial_merge_size", 2))),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{path}/config.json: missing key {e.args[0]} for Qwen3-VL") from None
+    if (c.hidden % c.n_heads or (c.hidden // c.n_heads) % 4 or c.hidden % Q8_BLOCK
+            or c.ffn % Q8_BLOCK or c.out_hidden != source.config.hidden):
+        raise ModelLoadError(f"{path}/config.json: unsupported vision shape: hidden {c.hidden}, "
+                             f"{c.n_heads} heads, ffn {c.ffn}, out {c.out_hidden} "
+                             f"(language model hidden {source.config.hidden})")
+    if len(c.deepstack) > source.config.n_layers:
+        raise ModelLoadError(f"{path}/config.json: {len(c.deepstack)} DeepStack features for "
+                             f"{source.config.n_layers} language-model layers")
+    return VisionEncoder(c, source.tensor_f32)
+
+
+def _image_spec(path: str, patch: int, merge: int) -> ImageSpec:
+    """preprocessor_config.json (the processor's min/max pixels, mean, std); the vision
+    config's patch and merge sizes where it is absent."""
+    file = os.path.join(path, "preprocessor_config.json")
+    if not os.path.exists(file):
+        return ImageSpec(patch=patch, merge=merge)
+    try:
+        with open(file, encoding="utf-8") as f:
+            pp = json.load(f)
+        size = pp.get("size") or {}
+        d = ImageSpec()
+        return ImageSpec(
+            patch=int(pp.get("patch_size", patch)), merge=int(pp.get("merge_size", merge)),
+            temporal_patch=int(pp.get("temporal_patch_size", 2)),
+            min_pixels=int(pp.get("min_pixels") or size.get("shortest_edge") or d.min_pixels),
+            max_pixels=int(pp.get("max_pixels") or size.get("longest_edge") or d.max_pixels),
+            mean=tuple(float(x) for x in pp.get("image_mean", d.mean)),
+            std=tuple(float(x) for x in pp.get("image_std", d.std)))
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"{file}: cannot use: {e}") from None
