@@ -34,6 +34,10 @@ demo: build
 bench: build
 	$(PY) bench/vs_llamacpp.py --threads $(THREADS)
 
+# the long protocol fuzz run against a live daemon (docs/reliability.md; ~30-40 min here)
+fuzz: build
+	$(PY) bench/fuzz.py --messages 100000
+
 lint: $(VENV)/.deps
 	$(PY) -m pyflakes kestreld kestrelctl tests bench 2>/dev/null || true
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import socket
 import sys
@@ -160,8 +161,9 @@ class Client(threading.Thread):
             self.rep.violate(f"client failed: {type(e).__name__}: {e}")
 
 
-def probe_status(path: str, rep: LoadReport, stop: threading.Event) -> None:
-    """Time `status` on its own connection while the load runs."""
+def probe_status(path: str, out, stop) -> None:
+    """Time `status` on its own connection while the load runs; runs in its own process
+    (the 64 client threads' GIL must not be measured), latencies (ms) and errors into `out`."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(READ_TIMEOUT_S)
     sock.connect(path)
@@ -176,11 +178,21 @@ def probe_status(path: str, rep: LoadReport, stop: threading.Event) -> None:
             reply = next(iter(unpacker), None)
             if reply is not None:
                 break
-        rep.status_ms.append((time.perf_counter() - t0) * 1e3)
-        if reply[:3] != [1, i, None]:
-            rep.violate(f"status answered {str(reply)[:120]}")
+        out.put((time.perf_counter() - t0) * 1e3 if reply[:3] == [1, i, None]
+                else f"status answered {str(reply)[:120]}")
         time.sleep(PROBE_EVERY_S)
     sock.close()
+    out.put(None)
+
+
+def warm_up(path: str) -> None:
+    """One generate (pages every weight in), one chat (compiles the template), one tokenize:
+    RSS after the first 10 answers then holds what a steady daemon holds."""
+    from kestrelctl import Client as KestrelClient
+    with KestrelClient(path, timeout=READ_TIMEOUT_S) as c:
+        c.generate(prompt=PROMPTS[0], max_tokens=2)
+        c.chat([{"role": "user", "content": PROMPTS[1]}], max_tokens=1)
+        c.tokenize(PROMPTS[2])
 
 
 def load(socket_path: str, pid: int, clients: int = 64, requests: int = 1000, seed: int = 1,
@@ -197,8 +209,10 @@ def load(socket_path: str, pid: int, clients: int = 64, requests: int = 1000, se
             if answered[0] == 10:
                 rep.rss_first_mb = round(proc.memory_info().rss / 2**20, 2)
 
-    stop = threading.Event()
-    probe = threading.Thread(target=probe_status, args=(socket_path, rep, stop), daemon=True)
+    warm_up(socket_path)
+    ctx = multiprocessing.get_context("fork")
+    stop, probe_out = ctx.Event(), ctx.Queue()
+    probe = ctx.Process(target=probe_status, args=(socket_path, probe_out, stop), daemon=True)
     probe.start()
     per = [requests // clients + (i < requests % clients) for i in range(clients)]
     threads = [Client(socket_path, n, seed * 1000 + i, rep, on_answer) for i, n in enumerate(per)]
@@ -211,6 +225,11 @@ def load(socket_path: str, pid: int, clients: int = 64, requests: int = 1000, se
     if any(t.is_alive() for t in threads):
         rep.violate(f"deadlock or hang: clients still waiting after {deadline_s} s")
     stop.set()
+    for item in iter(lambda: probe_out.get(timeout=READ_TIMEOUT_S), None):
+        if isinstance(item, str):
+            rep.violate(item)
+        else:
+            rep.status_ms.append(item)
     probe.join(READ_TIMEOUT_S)
     rep.rss_last_mb = round(proc.memory_info().rss / 2**20, 2)
     if rep.responses != rep.requests:

@@ -14,7 +14,7 @@
 #include "ks_common.h"
 
 #define KS_ATTN_STRIP 16            /* keys / head dims per step of the inner loops */
-#define KS_ATTN_TOKENS 16            /* prefill work item: this many tokens x the group's heads */
+#define KS_ATTN_TOKENS 8            /* prefill work item: this many tokens x the group's heads */
 #define KS_ATTN_SPLIT_MIN 256       /* decode: at least this many keys per split */
 #define KS_ATTN_SPLIT_MAX 16        /* decode: at most this many splits per KV head */
 
@@ -38,40 +38,28 @@ static inline float ks_quantize_head(const float *restrict x, int8_t *restrict q
 
 /* ---- attention core ------------------------------------------------------------------------ */
 
-#define KS_ATTN_QB 4     /* queries per register tile of the score and value loops */
-
-/* nq rounded up to whole query tiles (pad queries see no key and are never written out) */
-static inline int ks_attn_pad_q(int nq)
-{
-    return (nq + KS_ATTN_QB - 1) / KS_ATTN_QB * KS_ATTN_QB;
-}
-
-/* Scratch a work item needs, in floats (see ks_attn_scratch_parts for the parts). */
+/* Scratch a work item needs, in floats (see ks_attn_range for the parts). */
 static inline int64_t ks_attn_scratch_floats(int nq, int hd, int kv_bs)
 {
-    const int64_t nqp = ks_attn_pad_q(nq);
-    return 2 * (int64_t)hd * kv_bs + nqp * kv_bs + nqp * (2 * (int64_t)hd + 4);
+    return 2 * (int64_t)hd * kv_bs + kv_bs + (int64_t)nq * (2 * hd + 3);
 }
 
 /* nq queries of one KV head against keys [k0, k1) of it, updating their online-softmax state.
- *   qs (nqp, hd)  queries, already multiplied by the softmax scale (nqp = ks_attn_pad_q(nq))
- *   lim (nqp)     query i sees keys <= lim[i] (causal; pad queries -1)
+ *   qs (nq, hd)   queries, already multiplied by the softmax scale
+ *   lim (nq)      query i sees keys <= lim[i] (causal)
  *   kq, vq (max_seq, hd), ks, vs (max_seq): this KV head's rows
- *   m, l (nqp), acc (nqp, hd): running max, running sum, unnormalized output (IN/OUT)
- *   kt (hd, kv_bs) keys transposed, vf (kv_bs, hd), sc (nqp, kv_bs), corr (nqp): scratch
- * Register tiles of KS_ATTN_QB queries x 16 keys (scores) and x 16 dims (values): every key or
- * value vector loaded feeds 4 queries. hd is a multiple of KS_ATTN_STRIP and kv_bs a power of
- * two >= KS_ATTN_STRIP (checked by the caller). Keys past every query's limit are never read. */
+ *   m, l (nq), acc (nq, hd): running max, running sum, unnormalized output (IN/OUT)
+ *   kf, vf (kv_bs, hd), sc (kv_bs): scratch
+ * hd is a multiple of KS_ATTN_STRIP and kv_bs a power of two >= KS_ATTN_STRIP (checked by the
+ * caller). Keys past every query's limit are never read. */
 static void ks_attn_range(int nq, int hd, const float *restrict qs, const int *restrict lim,
                           const int8_t *restrict kq, const float *restrict ks,
                           const int8_t *restrict vq, const float *restrict vs,
                           int k0, int k1, int kv_bs,
                           float *restrict m, float *restrict l, float *restrict acc,
-                          float *restrict kt, float *restrict vf, float *restrict sc,
-                          float *restrict corr)
+                          float *restrict kf, float *restrict vf, float *restrict sc)
 {
-    enum { S = KS_ATTN_STRIP, QB = KS_ATTN_QB };
-    const int nqp = ks_attn_pad_q(nq);
+    enum { S = KS_ATTN_STRIP };
     int top = -1;
     for (int i = 0; i < nq; i++)
         top = lim[i] > top ? lim[i] : top;
@@ -79,113 +67,87 @@ static void ks_attn_range(int nq, int hd, const float *restrict qs, const int *r
     for (int j0 = k0; j0 < kend; j0 += kv_bs) {
         const int nj = kend - j0 < kv_bs ? kend - j0 : kv_bs;
         const int nj_pad = (nj + S - 1) / S * S;
-        /* the block as float: K transposed (lanes = keys), V by rows; padding keys are zero */
-        for (int j = 0; j < nj; j++) {
-            const int8_t *kr = kq + (int64_t)(j0 + j) * hd, *vr = vq + (int64_t)(j0 + j) * hd;
-            for (int d = 0; d < hd; d++) {
-                kt[(int64_t)d * kv_bs + j] = (float)kr[d];
-                vf[(int64_t)j * hd + d] = (float)vr[d];
-            }
+        /* the block as float (K, V rows); rows past nj are zero so whole strips can be used */
+        for (int64_t e = 0; e < (int64_t)nj * hd; e++) {
+            kf[e] = (float)kq[(int64_t)j0 * hd + e];
+            vf[e] = (float)vq[(int64_t)j0 * hd + e];
         }
-        for (int j = nj; j < nj_pad; j++)
-            for (int d = 0; d < hd; d++)
-                kt[(int64_t)d * kv_bs + j] = vf[(int64_t)j * hd + d] = 0.0f;
+        for (int64_t e = (int64_t)nj * hd; e < (int64_t)nj_pad * hd; e++)
+            kf[e] = vf[e] = 0.0f;
 
-        /* scores sc[i, j] = q_i . k_j */
-        for (int i0 = 0; i0 < nqp; i0 += QB)
-            for (int jb = 0; jb < nj_pad; jb += S) {
-                ks_v8 a0[QB] = {{0}}, a1[QB] = {{0}};
-                for (int d = 0; d < hd; d++) {
-                    const ks_v8 k0v = ks_v8_load(kt + (int64_t)d * kv_bs + jb);
-                    const ks_v8 k1v = ks_v8_load(kt + (int64_t)d * kv_bs + jb + 8);
-                    for (int u = 0; u < QB; u++) {
-                        const ks_v8 qv = ks_v8_set1(qs[(int64_t)(i0 + u) * hd + d]);
-                        a0[u] += qv * k0v;
-                        a1[u] += qv * k1v;
-                    }
-                }
-                for (int u = 0; u < QB; u++) {
-                    ks_v8_store(sc + (int64_t)(i0 + u) * kv_bs + jb, a0[u]);
-                    ks_v8_store(sc + (int64_t)(i0 + u) * kv_bs + jb + 8, a1[u]);
-                }
-            }
-
-        /* online softmax per query; sc becomes the weight of each value row */
-        for (int i = 0; i < nqp; i++) {
-            float *s = sc + (int64_t)i * kv_bs;
+        for (int i = 0; i < nq; i++) {
             const int qn = lim[i] + 1 - j0 < nj ? lim[i] + 1 - j0 : nj;
-            if (qn <= 0) {                          /* no key here: state unchanged */
-                corr[i] = 1.0f;
-                memset(s, 0, sizeof(float) * nj_pad);
+            if (qn <= 0)
                 continue;
+            const int qn_pad = (qn + S - 1) / S * S;
+            const float *q = qs + (int64_t)i * hd;
+            /* scores sc[j] = q . k_j, 8 keys at a time, 8 partial sums each */
+            for (int jb = 0; jb < qn_pad; jb += 8) {
+                ks_v8 p[8] = {{0}};
+                const float *kb = kf + (int64_t)jb * hd;
+                for (int d = 0; d < hd; d += 8) {
+                    const ks_v8 qv = ks_v8_load(q + d);
+                    for (int jj = 0; jj < 8; jj++)
+                        p[jj] += qv * ks_v8_load(kb + jj * hd + d);
+                }
+                ks_v8_store(sc + jb, ks_v8_hsum8(p));
             }
             for (int j = 0; j < qn; j++)
-                s[j] *= ks[j0 + j];
-            for (int j = qn; j < nj_pad; j++)
-                s[j] = -INFINITY;                   /* weight 0 below */
+                sc[j] *= ks[j0 + j];
+            for (int j = qn; j < qn_pad; j++)
+                sc[j] = -INFINITY;                  /* weight 0 below */
             ks_v8 vmax = ks_v8_set1(m[i]);
-            for (int j = 0; j < nj_pad; j += 8)
-                vmax = ks_v8_max(vmax, ks_v8_load(s + j));
+            for (int j = 0; j < qn_pad; j += 8)
+                vmax = ks_v8_max(vmax, ks_v8_load(sc + j));
             const float mx = ks_v8_hmax(vmax);
-            corr[i] = expf(m[i] - mx);              /* 0 on the first block (m = -inf) */
+            const float corr = expf(m[i] - mx);     /* 0 on the first block (m = -inf) */
             ks_v8 vsum = ks_v8_set1(0.0f);
-            for (int j = 0; j < nj_pad; j += 8) {
-                const ks_v8 e = ks_v8_exp(ks_v8_load(s + j) - mx);
+            for (int j = 0; j < qn_pad; j += 8) {
+                const ks_v8 e = ks_v8_exp(ks_v8_load(sc + j) - mx);
                 vsum += e;
-                ks_v8_store(s + j, e);
+                ks_v8_store(sc + j, e);
             }
-            l[i] = l[i] * corr[i] + ks_v8_hsum(vsum);
+            l[i] = l[i] * corr + ks_v8_hsum(vsum);
             m[i] = mx;
             for (int j = 0; j < qn; j++)
-                s[j] *= vs[j0 + j];
-        }
-
-        /* acc = acc * corr + sum_j sc[i, j] * v_j, 4 queries x 16 dims in registers */
-        for (int i0 = 0; i0 < nqp; i0 += QB)
+                sc[j] *= vs[j0 + j];                /* weight of value row j */
+            /* acc = acc * corr + sum_j sc[j] * v_j: S dims of acc in registers, two keys in
+             * flight (padded keys have weight 0 and zero rows) */
+            float *a = acc + (int64_t)i * hd;
             for (int ds = 0; ds < hd; ds += S) {
-                ks_v8 a0[QB], a1[QB];
-                for (int u = 0; u < QB; u++) {
-                    const float *a = acc + (int64_t)(i0 + u) * hd + ds;
-                    a0[u] = ks_v8_load(a) * corr[i0 + u];
-                    a1[u] = ks_v8_load(a + 8) * corr[i0 + u];
+                ks_v8 ae0 = ks_v8_load(a + ds) * corr, ae1 = ks_v8_load(a + ds + 8) * corr;
+                ks_v8 ao0 = ks_v8_set1(0.0f), ao1 = ks_v8_set1(0.0f);
+                for (int j = 0; j < qn_pad; j += 2) {
+                    const float *ve = vf + (int64_t)j * hd + ds, *vo = ve + hd;
+                    ae0 += sc[j] * ks_v8_load(ve);
+                    ae1 += sc[j] * ks_v8_load(ve + 8);
+                    ao0 += sc[j + 1] * ks_v8_load(vo);
+                    ao1 += sc[j + 1] * ks_v8_load(vo + 8);
                 }
-                for (int j = 0; j < nj_pad; j++) {
-                    const ks_v8 v0 = ks_v8_load(vf + (int64_t)j * hd + ds);
-                    const ks_v8 v1 = ks_v8_load(vf + (int64_t)j * hd + ds + 8);
-                    for (int u = 0; u < QB; u++) {
-                        const ks_v8 p = ks_v8_set1(sc[(int64_t)(i0 + u) * kv_bs + j]);
-                        a0[u] += p * v0;
-                        a1[u] += p * v1;
-                    }
-                }
-                for (int u = 0; u < QB; u++) {
-                    float *a = acc + (int64_t)(i0 + u) * hd + ds;
-                    ks_v8_store(a, a0[u]);
-                    ks_v8_store(a + 8, a1[u]);
-                }
+                ks_v8_store(a + ds, ae0 + ao0);
+                ks_v8_store(a + ds + 8, ae1 + ao1);
             }
+        }
     }
 }
 
 /* Splits the scratch of one work item (ks_attn_scratch_floats floats) into its parts. */
 typedef struct {
-    float *kt, *vf, *sc, *qs, *m, *l, *acc, *corr;
+    float *kf, *vf, *sc, *qs, *m, *l, *acc;
     int *lim;
 } ks_attn_scratch;
 
 static inline ks_attn_scratch ks_attn_scratch_parts(float *base, int nq, int hd, int kv_bs)
 {
-    const int64_t nqp = ks_attn_pad_q(nq);
     ks_attn_scratch s;
-    s.kt = base;
-    s.vf = s.kt + (int64_t)hd * kv_bs;
+    s.kf = base;
+    s.vf = s.kf + (int64_t)hd * kv_bs;
     s.sc = s.vf + (int64_t)hd * kv_bs;
-    s.qs = s.sc + nqp * kv_bs;
-    s.acc = s.qs + nqp * hd;
-    s.m = s.acc + nqp * hd;
-    s.l = s.m + nqp;
-    s.corr = s.l + nqp;
-    s.lim = (int *)(s.corr + nqp);   /* int and float have the same size on every target */
+    s.qs = s.sc + kv_bs;
+    s.acc = s.qs + (int64_t)nq * hd;
+    s.m = s.acc + (int64_t)nq * hd;
+    s.l = s.m + nq;
+    s.lim = (int *)(s.l + nq);   /* int and float have the same size on every target */
     return s;
 }
 
@@ -206,13 +168,6 @@ static inline void ks_attn_begin(const ks_attn_scratch *s, const float *q, int n
             s->m[i] = -INFINITY;
             s->l[i] = 0.0f;
         }
-    for (; i < ks_attn_pad_q((t1 - t0) * G); i++) {    /* pad queries: zero, no key */
-        memset(s->qs + (int64_t)i * hd, 0, sizeof(float) * hd);
-        memset(s->acc + (int64_t)i * hd, 0, sizeof(float) * hd);
-        s->lim[i] = -1;
-        s->m[i] = -INFINITY;
-        s->l[i] = 0.0f;
-    }
 }
 
 /* Prefill work item: tokens [t0, t1) x the G query heads of KV head g, over all their keys;
@@ -227,7 +182,7 @@ static void ks_attn_prefill_item(const float *q, const int8_t *kq, const float *
     const int64_t kvo = (int64_t)g * max_seq;
     ks_attn_begin(&s, q, n_heads, hd, t0, t1, g * G, G, pos0, scale);
     ks_attn_range(nq, hd, s.qs, s.lim, kq + kvo * hd, ks + kvo, vq + kvo * hd, vs + kvo,
-                  0, pos0 + t1, kv_bs, s.m, s.l, s.acc, s.kt, s.vf, s.sc, s.corr);
+                  0, pos0 + t1, kv_bs, s.m, s.l, s.acc, s.kf, s.vf, s.sc);
     int i = 0;
     for (int t = t0; t < t1; t++)
         for (int h = g * G; h < g * G + G; h++, i++) {
@@ -266,7 +221,7 @@ static void ks_attn_decode_item(const float *q, const int8_t *kq, const float *k
     const int64_t kvo = (int64_t)g * max_seq;
     ks_attn_begin(&s, q, n_heads, hd, 0, 1, g * G, G, pos0, scale);
     ks_attn_range(G, hd, s.qs, s.lim, kq + kvo * hd, ks + kvo, vq + kvo * hd, vs + kvo,
-                  c * split, (c + 1) * split, kv_bs, s.m, s.l, s.acc, s.kt, s.vf, s.sc, s.corr);
+                  c * split, (c + 1) * split, kv_bs, s.m, s.l, s.acc, s.kf, s.vf, s.sc);
     memcpy(part, s.m, sizeof(float) * G);
     memcpy(part + G, s.l, sizeof(float) * G);
     memcpy(part + 2 * G, s.acc, sizeof(float) * G * hd);

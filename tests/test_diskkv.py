@@ -148,6 +148,42 @@ def test_rows_are_copied_before_the_next_request_overwrites_them(tmp_path):
     s.close()
 
 
+def test_disk_extends_a_short_memory_hit(tmp_path):
+    """Memory kept 20 tokens (say a shared system prompt): only rows [20, 100) are read."""
+    s, ar = store(tmp_path), arena()
+    ids = ids_of(7, 100)
+    fill(ar, ids)
+    s.save(ids, ar)
+    settle(s)
+    out = arena()
+    out.k_q[:, :, :20] = 99                             # memory's own rows, marked
+    out.cache_len = 20
+    assert s.restore(ids + [5], out) == 100
+    assert (out.k_q[:, :, :20] == 99).all()
+    fill(ar, ids)
+    np.testing.assert_array_equal(out.k_q[:, :, 20:100], ar.k_q[:, :, 20:100])
+    assert s.stats()["misses"] == 0 and s.stats()["hits"] == 1
+    s.close()
+
+
+def test_a_delta_whose_parent_is_gone_is_removed(tmp_path, caplog):
+    s, ar = store(tmp_path), arena()
+    ids = ids_of(8, 100)
+    fill(ar, ids)
+    s.save(ids[:60], ar)
+    settle(s)
+    parent = snapshot_files(tmp_path)[0]
+    s.save(ids, ar)                                     # rows [60, 100) only
+    s.close()
+    delta = [p for p in snapshot_files(tmp_path) if p != parent][0]
+    assert delta.stat().st_size == file_size(LAYOUT, 100, 60)
+    parent.unlink()
+    with caplog.at_level(logging.WARNING, "kestreld.diskkv"):
+        s = store(tmp_path)
+    assert "parent is gone" in caplog.text and not delta.exists() and s.stats()["files"] == 0
+    s.close()
+
+
 def test_killed_mid_write_leaves_no_torn_snapshot(tmp_path):
     """A real process writing large snapshots in a loop is killed with SIGKILL while a temp
     file is open; the next start removes the temp file and every snapshot it keeps verifies."""

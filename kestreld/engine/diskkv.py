@@ -439,15 +439,15 @@ class DiskKV:
         try:
             st = os.fstat(fd)
             h = Header.parse(os.pread(fd, HEADER_SIZE, 0))
+            layout = KVLayout(*h.layout, self.layout.max_seq)
+            if st.st_size != file_size(layout, h.n_tokens, h.base):   # before reading n ids
+                raise ValueError(f"{st.st_size} bytes, the header says "
+                                 f"{file_size(layout, h.n_tokens, h.base)}")
             ids = os.pread(fd, ID_BYTES * h.n_tokens, HEADER_SIZE)
         finally:
             os.close(fd)
-        if zlib.crc32(ids) != h.ids_crc or len(ids) != ID_BYTES * h.n_tokens:
+        if len(ids) != ID_BYTES * h.n_tokens or zlib.crc32(ids) != h.ids_crc:
             raise ValueError("ids checksum mismatch")
-        layout = KVLayout(*h.layout, self.layout.max_seq)
-        if st.st_size != file_size(layout, h.n_tokens, h.base):
-            raise ValueError(f"{st.st_size} bytes, the header says "
-                             f"{file_size(layout, h.n_tokens, h.base)}")
         ours = (h.fingerprint == self.fingerprint and layout == self.layout
                 and h.n_tokens < self.layout.max_seq)
         return Snapshot(name, np.frombuffer(ids, dtype="<i8").astype(np.int64), h.base, h.parent,

@@ -15,6 +15,7 @@ import numpy as np
 from .arena import KVArena
 from .kernels import K
 from .model import LoadedModel, Q8Matrix
+from .moe import MoEFeedForward
 from .qwen3vl import ChunkVision, MRopeTables
 
 
@@ -62,6 +63,7 @@ class Transformer:
         }, {"xq": np.int8})
         self.logits = np.zeros((1, c.vocab), dtype=np.float32)   # (1, vocab) last position
         self.ids = np.zeros(max_chunk, dtype=np.int32)
+        self.moe = MoEFeedForward(c, max_chunk, threads) if c.moe_layers else None
         # Decode (one token) of a dense model runs every layer in one kernel call: the same
         # kernels in the same order as `forward` below, without a Python call and a thread
         # fork/join per kernel. (MoE layers take the per-kernel path.)
@@ -146,11 +148,14 @@ class Transformer:
             x += proj
             # feed-forward block
             K.rmsnorm(x, L.ffn_norm, c.norm_eps, xn, t)
-            gate = self._matmul(L.w_gate, xn, s.get("gate", n, c.ffn))
-            up = self._matmul_quantized(L.w_up, n, c.hidden, s.get("up", n, c.ffn))
-            K.swiglu(gate, up, gate, t)
-            proj = self._matmul(L.w_down, gate, s.get("proj", n, c.hidden))
-            x += proj
+            if L.moe is not None:   # Qwen3-MoE: routed experts (moe.py)
+                self.moe.add(L.moe, xn, x)
+            else:
+                gate = self._matmul(L.w_gate, xn, s.get("gate", n, c.ffn))
+                up = self._matmul_quantized(L.w_up, n, c.hidden, s.get("up", n, c.ffn))
+                K.swiglu(gate, up, gate, t)
+                proj = self._matmul(L.w_down, gate, s.get("proj", n, c.hidden))
+                x += proj
             if vision is not None and li < len(vision.deepstack):
                 x[vision.rows] += vision.deepstack[li]
 
