@@ -5,6 +5,7 @@
 
 Wraps every function of kestreld._kernels with a timer (the wrapper adds ~0.3 us per call,
 so tiny kernels look slightly slower than they are) and prints the totals, largest first.
+Decode of a dense model is one DecodeStep.step per token (all layers in C): it shows as one line.
 """
 from __future__ import annotations
 
@@ -44,6 +45,19 @@ def instrument(totals: dict) -> None:
     fwd.K = Timed()
 
 
+class TimedStep:
+    """A DecodeStep whose `step` calls are timed (the whole decode step is one call)."""
+
+    def __init__(self, step, totals: dict):
+        self._step, self._totals = step, totals
+
+    def step(self, *a):
+        t0 = time.perf_counter()
+        self._step.step(*a)
+        self._totals["DecodeStep.step"][0] += time.perf_counter() - t0
+        self._totals["DecodeStep.step"][1] += 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=["smollm2", "qwen3-0.6b"], default="qwen3-0.6b")
@@ -67,6 +81,8 @@ def main() -> int:
         tr.forward(ids[p0:min(max(args.depth, 1), p0 + chunk)], p0)
     totals = defaultdict(lambda: [0.0, 0])
     instrument(totals)
+    if tr.decode_step is not None:
+        tr.decode_step = TimedStep(tr.decode_step, totals)
     t0 = time.perf_counter()
     if args.prefill:
         tr.forward(ids[args.depth:args.depth + args.prefill], args.depth)

@@ -60,6 +60,7 @@ class Config:
     debug: bool = False                  # tracebacks on fatal errors
     config_file: Optional[str] = None
     cache_dir: Optional[str] = None      # Q8_0 conversions of non-Q8_0 GGUFs (None: convert in memory)
+    image_dir: Optional[str] = None      # image paths in chat are read only from here (None: refused)
     disk_kv: Optional[str] = None        # directory of KV snapshots that outlive the process (None: off)
     disk_kv_max_bytes: int = 4 << 30     # the snapshots' total size; least recently used evicted
 
@@ -116,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     a("--prompt", help="one-shot: generate a completion for TEXT, print it, exit")
     a("--log-level", choices=["debug", "info", "warning", "error"])
     a("--debug", action="store_const", const=True, help="show tracebacks")
+    a("--image-dir", help="directory from which chat image parts may be read by path "
+      "(default: none, image paths are refused; clients send the bytes)")
     a("--cache-dir", help="where Q8_0 conversions of other GGUF types are kept "
       "(default $CACHE_DIRECTORY, $XDG_CACHE_HOME/kestrel or ~/.cache/kestrel)")
     a("--disk-kv", metavar="DIR", help="keep KV snapshots in DIR and reuse them after a restart "

@@ -62,9 +62,7 @@ def build_engine(cfg: Config, path: str):
     model = load_model(path, cache_dir=cfg.cache_dir)
     disk_kv = (DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
                                 cfg.prefix_min) if cfg.disk_kv else None)
-    engine = Engine(model, max_seq=cfg.max_seq, threads=cfg.n_threads, prefix_kv=cfg.prefix_kv,
-                    prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk,
-                    disk_kv=disk_kv)
+    engine = Engine.from_config(model, cfg, disk_kv=disk_kv)
     c, arena = model.config, engine.arena
     log.info("model %s: %s %s, %d layers, %d params, weights %s (from %s) in %.1f s",
              path, c.arch, c.name, c.n_layers, c.n_params, "q8_0", model.source_dtype,

@@ -6,7 +6,9 @@ Every function takes C-contiguous numpy arrays (float = float32), checks their s
 raises ValueError on a mismatch, then computes with the GIL released on `nthreads` OpenMP
 threads. Results do not depend on `nthreads`. The C (pyx/ks_*.h) holds the SIMD paths;
 `simd_path()` says which one this build uses, and `matmul_q8_0_plain` always takes the
-portable path, which the SIMD one matches bit for bit.
+portable path, which the SIMD one matches bit for bit. On x86 the prefill product also has an
+AVX512-VNNI path, chosen at run time (`set_matmul_vnni`), bit-identical too. `DecodeStep`
+runs a whole decode step (every layer of one token) in one call.
 """
 from libc.stdint cimport int8_t, uint8_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free

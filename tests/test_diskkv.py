@@ -187,15 +187,15 @@ def test_a_delta_whose_parent_is_gone_is_removed(tmp_path, caplog):
 def test_killed_mid_write_leaves_no_torn_snapshot(tmp_path):
     """A real process writing large snapshots in a loop is killed with SIGKILL while a temp
     file is open; the next start removes the temp file and every snapshot it keeps verifies."""
-    big = KVLayout(n_layers=4, n_kv_heads=4, head_dim=128, max_seq=20_000)   # 84 MB a snapshot
+    big = KVLayout(n_layers=4, n_kv_heads=4, head_dim=128, max_seq=4096)   # 17 MB a snapshot
     child = textwrap.dedent(f"""
         import sys, time
         sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}
         from test_diskkv import DiskKV, KVLayout, arena, fill, ids_of, FP
-        layout = KVLayout(4, 4, 128, 20_000)
+        layout = KVLayout(4, 4, 128, 4096)
         s, ar = DiskKV(sys.argv[1], 1 << 40, FP, layout), arena(layout)
         for seed in range(1000):
-            ids = ids_of(seed, 19_990)
+            ids = ids_of(seed, 4000)
             fill(ar, ids)
             s.save(ids, ar)
             while s.stats()["queued"]:
@@ -224,11 +224,11 @@ def test_killed_mid_write_leaves_no_torn_snapshot(tmp_path):
     kept = s.stats()
     assert kept["files"] >= 1 and kept["rejected"] == 1
     for seed in range(kept["files"] + 1):               # every seed written so far
-        ids = ids_of(seed, 19_990)
+        ids = ids_of(seed, 4000)
         ar = arena(big)
         got = s.restore(ids + [1], ar)
         if got:
-            assert got == 19_990
+            assert got == 4000
             assert_rows(ar, ids, got)
     assert s.stats()["hits"] == kept["files"] and s.stats()["rejected"] == 1
     s.close()

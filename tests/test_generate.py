@@ -139,3 +139,12 @@ def test_seeded_sampling_repeats_and_logprobs(model):
     assert len(a.logprobs) == 10
     assert all(len(lp["top"]) == 3 and lp["logprob"] <= 0 for lp in a.logprobs)
     assert [lp["id"] for lp in a.logprobs] == a.ids
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(model):
+    e = engine(model, max_seq=64)
+    limit = 64 * model.tokenizer.max_token_bytes
+    assert e.max_text_chars == limit
+    assert e.tokenize("a" * limit)                                 # at the bound: tokenized
+    with pytest.raises(PromptTooLong, match=f"at most {limit}"):
+        e.tokenize("a" * (limit + 1))

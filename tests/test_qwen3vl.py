@@ -11,6 +11,7 @@ the text positions.
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from kestreld.engine.hf_loader import _vl_text_config
 from kestreld.engine.images import decode_image, preprocess
 from kestreld.engine.loader import load_model
 from kestreld.engine.qwen3vl import MRopeTables, build_prompt
-from kestreld.errors import BadRequest
+from kestreld.errors import BadRequest, PermissionDenied
 from kestreld.protocol import validate_params
 from metrics import margin_top1_agreement, rel_rms_error
 
@@ -232,15 +233,31 @@ def test_bad_images_are_clear_errors(vl, tmp_path):
     for data, message in cases.items():
         with pytest.raises(BadRequest, match=message):
             engine.chat_prompt(_chat(data, "hi"))
-    for path, message in ((str(tmp_path / "missing.png"), "does not exist"),
-                          ("relative.png", "must be absolute"),
-                          (str(tmp_path), "not a regular file")):
-        msgs = [{"role": "user", "content": ({"type": "image", "path": path},)}]
-        with pytest.raises(BadRequest, match=message):
-            engine.chat_prompt(msgs)
-    good = tmp_path / "good.png"
+    images = tmp_path / "images"
+    images.mkdir()
+    good = images / "good.png"
     good.write_bytes(png)
-    ids, vp = engine.chat_prompt([{"role": "user", "content": ({"type": "image", "path": str(good)},)}])
+    os.mkfifo(images / "fifo.png")                                # must not block the engine
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(png)
+    os.symlink(secret, images / "link.png")                       # points out of the directory
+    confined = Engine(vl["model"], max_seq=64, threads=1, image_dir=str(images))
+
+    def part(path):
+        return [{"role": "user", "content": ({"type": "image", "path": path},)}]
+
+    for path, message in ((str(images / "missing.png"), "does not exist"),
+                          ("relative.png", "must be absolute"),
+                          (str(images), "not a regular file"),
+                          (str(images / "fifo.png"), "not a regular file")):
+        with pytest.raises(BadRequest, match=message):
+            confined.chat_prompt(part(path))
+    for path in (str(secret), str(images / "link.png"), str(images / ".." / "secret.png")):
+        with pytest.raises(PermissionDenied, match="outside the image directory"):
+            confined.chat_prompt(part(path))
+    with pytest.raises(PermissionDenied, match="not accepted"):
+        engine.chat_prompt(part(str(good)))                       # no --image-dir: no paths
+    ids, vp = confined.chat_prompt(part(str(good)))
     assert vp.visual_tokens == 6
 
 

@@ -47,3 +47,12 @@ def test_logprobs():
     lp = Sampler(SamplingOptions(logprobs=2)).top_logprobs(lg, 0)
     assert lp["id"] == 0 and abs(lp["logprob"] - ref[0]) < 1e-6
     assert [t[0] for t in lp["top"]] == [1, 0]
+
+
+def test_extreme_values_stay_finite():
+    lg = np.array([1.0, 3.0, -2.0, 2.5], dtype=np.float32)
+    assert Sampler(SamplingOptions(temperature=5e-324, seed=1)).choose(lg) == 1
+    s = Sampler(SamplingOptions(temperature=0.7, repeat_penalty=1e-39, seed=1))
+    out = s.penalize(lg, [0], [])
+    assert np.isfinite(out).all() and out[0] > 1e38
+    assert s.choose(out) == 0

@@ -18,7 +18,7 @@ import pytest
 from daemon import REPO, Daemon
 from kestrelctl import Client, KestrelClientError
 from kestreld import server as kserver
-from kestreld.protocol import _FIELDS, OPTION_CHECKS
+from kestreld.protocol import _FIELDS, OPTION_CHECKS, validate_params
 from test_server import SHORT, Raw
 
 NOBODY = 65534
@@ -192,9 +192,14 @@ def test_product_code_has_no_pickle_eval_exec_or_shell():
                                              "run(cmd, shell=True)", "os.system('ls')"))
 
 
-def test_no_request_parameter_names_a_file():
-    """Client-given paths: none. The model path comes from the command line/config only;
-    this list changing is a reason to review confinement (docs/reliability.md)."""
+def test_the_only_client_given_path_is_a_chat_image_part():
+    """Client-given paths: the model path comes from the command line/config only; the one
+    path a client can give is a chat image part's `path`, read by the daemon with its own
+    permissions and not confined (docs/reliability.md, "Open"). Either list changing is a
+    reason to review confinement."""
+    content = [{"type": "image", "path": "/etc/hostname"}, {"type": "text", "text": "hi"}]
+    p = validate_params("chat", [{"messages": [{"role": "user", "content": content}]}], 100)
+    assert p.messages[0]["content"][0] == {"type": "image", "path": "/etc/hostname"}
     names = {n for fields in _FIELDS.values() for n in fields} | set(OPTION_CHECKS)
     assert names == {"prompt", "ids", "stream", "messages", "enable_thinking", "text",
                      "add_special", "id", "max_tokens", "temperature", "top_k", "top_p",

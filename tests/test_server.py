@@ -473,10 +473,13 @@ def test_restart_loses_the_cache_and_sigterm_is_clean(tmp_path):
         # SIGTERM with one request running and one queued: the running one finishes,
         # the queued one is answered shutting_down, the socket goes away, exit 0.
         raw = Raw(str(path))
-        raw.send([0, 1, "generate", [{"prompt": SHORT, "max_tokens": 12, "ignore_eos": True,
-                                      "stream": False}]])
+        raw.send([0, 1, "generate", [{"prompt": SHORT, "max_tokens": 48, "ignore_eos": True}]])
         raw.send([0, 2, "generate", [{"prompt": SHORT, "max_tokens": 4}]])
-        time.sleep(0.5)
+        while True:                                   # request 1 is running once it streams
+            m = raw.read()
+            assert m is not None, first.log()
+            if m[0] == 2 and m[1] == "token":
+                break
         first.proc.send_signal(signal.SIGTERM)
         seen = {}
         while len(seen) < 2:
@@ -485,7 +488,8 @@ def test_restart_loses_the_cache_and_sigterm_is_clean(tmp_path):
             if m[0] == 1:
                 seen[m[1]] = m
         assert seen[2][2]["code"] == "shutting_down"
-        assert seen[1][2] is None and seen[1][3]["finish_reason"] == "length"
+        # finished within the grace, or cancelled when the grace ran out
+        assert seen[1][2] is None and seen[1][3]["finish_reason"] in ("length", "cancelled")
         assert first.stop() == 0
         assert not path.exists()
         first_pid = first.pid

@@ -91,7 +91,7 @@ class Engine:
 
     def __init__(self, model, max_seq: int = 8192, threads: int = 1, prefix_kv: bool = True,
                  prefix_min: int = 16, kv_bs: int = 32, prefill_chunk: int = 256,
-                 disk_kv=None):
+                 disk_kv=None, image_dir: Optional[str] = None):
         from .arena import KVArena
         from .chat import ChatTemplate
         from .forward import Transformer
@@ -107,16 +107,26 @@ class Engine:
         self.transformer = Transformer(model, self.arena, prefill_chunk, threads)
         self.vocab_size = c.vocab
         self.chat = ChatTemplate(model.chat_template)
+        self.max_text_chars = max_seq * self.tokenizer.max_token_bytes
         self.disk_kv = disk_kv      # diskkv.DiskKV or None: snapshots that outlive the process
+        self.image_dir = image_dir  # the only place image paths may be read from (None: nowhere)
 
     @classmethod
-    def from_config(cls, model, cfg) -> "Engine":
+    def from_config(cls, model, cfg, disk_kv=None) -> "Engine":
         """An engine sized by a kestreld Config."""
         return cls(model, max_seq=cfg.max_seq, threads=cfg.n_threads, prefix_kv=cfg.prefix_kv,
-                   prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk)
+                   prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk,
+                   disk_kv=disk_kv, image_dir=cfg.image_dir)
 
     # ---- text ---------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = False) -> list:
+        """Token ids of `text`. A text that cannot fit in max_seq tokens (each token covers
+        at most max_token_bytes bytes) is refused before tokenizing, which would cost
+        hundreds of bytes of memory per token."""
+        from ..errors import PromptTooLong
+        if len(text) > self.max_text_chars:
+            raise PromptTooLong(f"a text of {len(text)} characters cannot fit in max_seq="
+                                f"{self.arena.max_seq} tokens (at most {self.max_text_chars})")
         return self.tokenizer.encode(text, add_special=add_special)
 
     def detokenize(self, ids) -> str:
@@ -145,7 +155,8 @@ class Engine:
         vision = self.model.vision
         if vision is None:
             raise BadRequest(f"the model {self.model.config.name} takes no images")
-        images = [preprocess(decode_image(read_image_part(p)), vision.cfg.image) for p in parts]
+        images = [preprocess(decode_image(read_image_part(p, self.image_dir)), vision.cfg.image)
+                  for p in parts]
         return build_prompt(ids, images, vision.cfg)
 
     def stats(self) -> dict:

@@ -1,6 +1,6 @@
 """Images for Qwen3-VL: bytes or a file -> checked RGB pixels -> the processor's patches.
 
-    read_image_part(part)   {"path"} or {"data"} -> bytes, bounded, readable by this process
+    read_image_part(part, image_dir)   {"path"} (confined to image_dir) or {"data"} -> bytes, bounded
     decode_image(data)      bytes -> (H, W, 3) uint8 RGB (transparency composited onto white),
                             dimensions checked before any pixel is decoded
     preprocess(rgb, spec)   -> PreparedImage: resized as the model's processor does (both sides
@@ -17,11 +17,13 @@ import hashlib
 import io
 import math
 import os
+import stat
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-from ..errors import BadRequest
+from ..errors import BadRequest, PermissionDenied
 
 MAX_IMAGE_BYTES = 32 << 20        # one encoded image
 MAX_SOURCE_PIXELS = 50_000_000    # before resizing (a 7071 x 7071 image); decompression bombs
@@ -53,29 +55,49 @@ class PreparedImage:
         return self.grid_h * self.grid_w // (merge * merge)
 
 
-def read_image_part(part: dict) -> bytes:
+def read_image_part(part: dict, image_dir: Optional[str]) -> bytes:
     """The encoded bytes of an image part: {"data": bytes} as sent, or {"path": str} read
-    with the daemon's own permissions (absolute path to a regular file)."""
+    from inside `image_dir` (the daemon's --image-dir) with the daemon's permissions.
+
+    Paths are confined: without an image_dir every path is refused; with one, the path
+    must resolve (symlinks followed by realpath) inside it, and the file is opened with
+    O_NOFOLLOW | O_NONBLOCK and checked to be regular on the open descriptor, so a swapped
+    symlink or a FIFO cannot make the engine read elsewhere or block."""
     if "data" in part:
         data = part["data"]
     else:
-        path = part["path"]
-        if not os.path.isabs(path):
-            raise BadRequest(f"image path must be absolute, got {path!r}")
-        if os.path.exists(path) and not os.path.isfile(path):   # a FIFO would block the open
-            raise BadRequest(f"image path {path!r} is not a regular file")
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_IMAGE_BYTES + 1)
-        except FileNotFoundError:
-            raise BadRequest(f"image file {path!r} does not exist") from None
-        except PermissionError:
-            raise BadRequest(f"image file {path!r} is not readable by the daemon") from None
-        except OSError as e:
-            raise BadRequest(f"image file {path!r} cannot be read: {e.strerror}") from None
+        data = _read_confined(part["path"], image_dir)
     if len(data) > MAX_IMAGE_BYTES:
         raise BadRequest(f"image of more than {MAX_IMAGE_BYTES} bytes; the limit is {MAX_IMAGE_BYTES}")
     return bytes(data)
+
+
+def _read_confined(path: str, image_dir: Optional[str]) -> bytes:
+    if image_dir is None:
+        raise PermissionDenied("image paths are not accepted by this daemon (start it with "
+                               "--image-dir DIR); send the image's bytes instead")
+    if not os.path.isabs(path):
+        raise BadRequest(f"image path must be absolute, got {path!r}")
+    root = os.path.realpath(image_dir)
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root:
+        raise PermissionDenied(f"image path {path!r} is outside the image directory {image_dir}")
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise BadRequest(f"image file {path!r} does not exist") from None
+    except PermissionError:
+        raise BadRequest(f"image file {path!r} is not readable by the daemon") from None
+    except OSError as e:
+        raise BadRequest(f"image file {path!r} cannot be opened: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadRequest(f"image path {path!r} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read(MAX_IMAGE_BYTES + 1)
+        except OSError as e:
+            raise BadRequest(f"image file {path!r} cannot be read: {e.strerror}") from None
 
 
 def decode_image(data: bytes) -> np.ndarray:

@@ -36,7 +36,7 @@ class Sampler:
             recent = list(prompt_ids[max(0, len(prompt_ids) - (REPEAT_WINDOW - len(recent))):]) + recent
         if not recent:
             return logits
-        out = logits.copy()
+        out = logits.astype(np.float64)    # float64: a tiny penalty must not overflow to inf
         ids = np.unique(np.asarray(recent, dtype=np.int64))
         vals = out[ids]
         out[ids] = np.where(vals > 0, vals / p, vals * p)
@@ -47,7 +47,9 @@ class Sampler:
         o = self.opts
         if o.temperature <= 0.0:
             return int(np.argmax(logits))
-        z = logits.astype(np.float64) / o.temperature
+        # subtract the max before dividing: a tiny temperature then gives 0 and -inf, not inf - inf
+        with np.errstate(over="ignore"):
+            z = (logits.astype(np.float64) - float(logits.max())) / o.temperature
         cand = np.arange(z.size)
         if 0 < o.top_k < z.size:
             cand = np.argpartition(-z, o.top_k - 1)[: o.top_k]

@@ -213,6 +213,11 @@ class Tokenizer:
         """The text of one token (a piece of a multi-byte character shows as U+FFFD)."""
         return self.decode([token_id])
 
+    @property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token: no text longer than n * this fits in n tokens."""
+        return max(len(b) for b in self._token_bytes)
+
     def incremental_decoder(self) -> "IncrementalDecoder":
         """A fresh streaming decoder for one generation."""
         return IncrementalDecoder(self)
