@@ -17,15 +17,15 @@ from .protocol import DEFAULT_SOCKET  # one definition, shared with kestrelctl
 DEFAULT_CONFIG_FILE = "/etc/kestrel/kestreld.conf"
 
 
-def performance_cores() -> list[int]:
-    """CPUs of the highest capacity that this process may run on.
+def performance_cores(allowed=None, sysfs: str = "/sys/devices/system/cpu") -> list[int]:
+    """CPUs of the highest capacity among `allowed` (default: those this process may run on).
 
     On big.LITTLE boards (RK3588: 4x A76 + 4x A55) that is the big cores, read from
-    /sys/devices/system/cpu/cpu*/cpu_capacity; elsewhere every allowed CPU."""
-    allowed = sorted(os.sched_getaffinity(0))
+    cpu*/cpu_capacity; where no capacity is published, every allowed CPU."""
+    allowed = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
     caps = {}
-    for path in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cpu_capacity"):
-        cpu = int(path.split("/")[-2][3:])
+    for path in glob.glob(os.path.join(sysfs, "cpu[0-9]*", "cpu_capacity")):
+        cpu = int(os.path.basename(os.path.dirname(path))[3:])
         try:
             with open(path) as f:
                 caps[cpu] = int(f.read().strip())
@@ -34,8 +34,7 @@ def performance_cores() -> list[int]:
     if not caps:
         return allowed
     top = max(caps.get(c, 0) for c in allowed)
-    big = [c for c in allowed if caps.get(c, 0) == top]
-    return big or allowed
+    return [c for c in allowed if caps.get(c, 0) == top] or allowed
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import time
 from typing import Optional, Sequence
 
 from . import __version__
-from .config import Config, load_config
+from .config import Config, load_config, performance_cores
 from .errors import KernelsMissing, ModelLoadError, StartupError
 from .scheduler import Scheduler
 from .server import Server, check_socket_path
@@ -31,6 +31,16 @@ STATUS_EVERY_S = 2.0             # how often the service manager's status line i
 
 
 # ---------------------------------------------------------------- start-up
+
+def pin_to_performance_cores() -> None:
+    """On big.LITTLE boards (RK3588: 4x A76 + 4x A55) keep every thread, the OpenMP workers
+    included, on the big cores: one slow core holds back each parallel kernel."""
+    allowed = os.sched_getaffinity(0)
+    big = set(performance_cores())
+    if big and big != allowed:
+        os.sched_setaffinity(0, big)
+        log.info("pinned to performance cores %s", ",".join(map(str, sorted(big))))
+
 
 def _check_kernels() -> None:
     """Import the compiled kernels; kestreld.engine.kernels raises KernelsMissing with one
@@ -176,6 +186,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         _check_kernels()
+        if cfg.threads == 0:
+            pin_to_performance_cores()
         path = _model_path(cfg)
         if path is None:
             print(f"kestreld: {NO_MODEL}", file=sys.stderr)
