@@ -468,6 +468,7 @@ def completion_result(c, queue_ms: float, ttft_ms: float) -> dict:
         "ids": list(c.ids),
         "finish_reason": c.finish_reason,
         "usage": {"prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
+                  "cached_source": c.extra.get("cached_source"),
                   "prefill_tokens": c.prefill_tokens, "completion_tokens": c.completion_tokens,
                   **{k: c.extra[k] for k in ("images", "visual_tokens") if k in c.extra}},
         "timings": {"queue_ms": round(queue_ms, 3), "prefill_ms": round(c.prefill_ms, 3),
