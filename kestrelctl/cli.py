@@ -118,8 +118,8 @@ def format_status(s: dict) -> str:
         ("memory", f"rss {s['rss_mb']:.0f} MB, available {s['mem_avail_mb']:.0f} MB"),
         ("threads", str(s["threads"])),
     ]
-    d = s.get("disk_kv")
-    if d:
+    d = s.get("disk_kv") or {}
+    if d.get("enabled"):
         rows.insert(6, ("disk kv", f"{d['files']} files, {d['bytes'] / 1e6:.1f} MB, hits {d['hits']}, "
                                    f"misses {d['misses']}"))
     return "\n".join(f"{k:<9} {v}" for k, v in rows)

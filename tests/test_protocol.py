@@ -171,10 +171,12 @@ def test_completion_result_map():
                    decode_ms=500.0, ttft_ms=35.0, logprobs=None)
     m = completion_result(c, queue_ms=1.5, ttft_ms=40.0)
     assert m == {"text": "ab", "ids": [5, 6], "finish_reason": "length",
-                 "usage": {"prompt_tokens": 10, "cached_tokens": 4, "prefill_tokens": 6,
-                           "completion_tokens": 2},
+                 "usage": {"prompt_tokens": 10, "cached_tokens": 4, "cached_source": None,
+                           "prefill_tokens": 6, "completion_tokens": 2},
                  "timings": {"queue_ms": 1.5, "prefill_ms": 30.0, "decode_ms": 500.0,
                              "ttft_ms": 40.0, "prefill_tok_s": 200.0, "decode_tok_s": 4.0}}
     lp = [{"id": 5, "logprob": -0.1, "top": [[5, -0.1]]}]
     c.logprobs = lp
     assert completion_result(c, 0, 0)["logprobs"] == lp
+    c.extra["cached_source"] = "disk"
+    assert completion_result(c, 0, 0)["usage"]["cached_source"] == "disk"

@@ -431,12 +431,12 @@ def test_greedy_after_prefix_hit_equals_no_prefix_kv(daemon, client, tmp_path):
     question = STORY + "What did Tomas repair every morning?"
     client.generate(prompt=STORY + "Who was Tomas?", max_tokens=4)
     hit = client.generate(prompt=question, max_tokens=12)
-    assert hit.usage["cached_tokens"] >= 16
+    assert hit.usage["cached_tokens"] >= 16 and hit.usage["cached_source"] == "memory"
     with Daemon(tmp_path / "n.sock", "--no-prefix-kv") as nd, nd.client() as nc:
         assert nc.status()["prefix"]["enabled"] is False
         nc.generate(prompt=STORY + "Who was Tomas?", max_tokens=4)
         miss = nc.generate(prompt=question, max_tokens=12)
-        assert miss.usage["cached_tokens"] == 0
+        assert miss.usage["cached_tokens"] == 0 and miss.usage["cached_source"] is None
         assert nc.status()["prefix"]["hits"] == 0
     assert (miss.text, miss.ids) == (hit.text, hit.ids)
 
