@@ -225,8 +225,6 @@ class Engine:
 
         `vision` (Qwen3-VL): the prompt's qwen3vl.VisionPrompt from `chat_prompt`; its keys
         (image hashes on placeholder tokens) take the place of the ids in the prefix match."""
-        from .sampler import Sampler
-
         ids = self._check_prompt(ids)
         if vision is None and self.model.vision is not None \
                 and self.model.vision.cfg.image_token_id in ids:
@@ -240,60 +238,14 @@ class Engine:
         from_disk = self.disk_kv.restore(keys, self.arena) if self.disk_kv is not None else 0
         keep = from_disk or plan.keep
         source = "disk" if from_disk else ("memory" if plan.hit else None)
-        generated: list = []
+        generated: list = []       # filled by _decode; read here if it raises
         try:
             if vision is not None:
                 vision.encode(self.model.vision, keep, self.threads)
             logits = self._prefill(ids, keep, should_stop, on_progress, vision)
             t_prefill = time.perf_counter()
-            room = self.arena.max_seq - len(ids)
-            max_tokens = min(opts.max_tokens, room)
-            sampler = Sampler(opts)
-            decoder = self.tokenizer.incremental_decoder()
-            stops = StopMatcher(opts.stop)
-            eos = set() if opts.ignore_eos else self.tokenizer.eos_ids
-            text, emitted, pending = "", 0, []
-            lps: list = [] if opts.logprobs else None
-            finish = "cancelled" if logits is None else "length"
-            t_first = None
-            while logits is not None and len(generated) < max_tokens:
-                row = logits[0]
-                tok = sampler.choose(sampler.penalize(row, ids, generated))
-                if t_first is None:
-                    t_first = time.perf_counter()
-                if tok in eos:
-                    generated.append(tok)
-                    finish = "stop"
-                    break
-                generated.append(tok)
-                pending.append(tok)
-                if lps is not None:
-                    lps.append(sampler.top_logprobs(row, tok))
-                text += decoder.feed([tok])
-                cut = stops.find(text) if stops.stops else -1
-                if cut >= 0:
-                    text = text[:cut]
-                    finish = "stop"
-                    break
-                safe = stops.safe_len(text) if stops.stops else len(text)
-                if on_token is not None:
-                    on_token(TokenEvent(pending, text[emitted:safe],
-                                        lps[-1:] if lps is not None else None))
-                    pending = []
-                emitted = safe
-                if len(generated) >= max_tokens:
-                    break
-                if should_stop is not None and should_stop():
-                    finish = "cancelled"
-                    break
-                pos = len(ids) + len(generated) - 1
-                logits = self.transformer.forward(
-                    [tok], pos, vision=vision.decode_positions(pos) if vision and vision.delta else None)
-                self.arena.cache_len = pos + 1
-            if finish != "stop" or stops.find(text) < 0:
-                text += decoder.flush()
-            if on_token is not None and (pending or emitted < len(text)):
-                on_token(TokenEvent(pending, text[emitted:], None))
+            text, finish, lps, t_first = self._decode(ids, logits, opts, generated, on_token,
+                                                      should_stop, vision)
             t_end = time.perf_counter()
         except BaseException:
             self.prefix.commit((keys + generated)[:self.arena.cache_len])
@@ -304,13 +256,69 @@ class Engine:
             self.prefix.commit(keys + generated)
         if self.disk_kv is not None:
             self.disk_kv.save(self.prefix.last_ids[:self.arena.cache_len], self.arena)
+        eos = set() if opts.ignore_eos else self.tokenizer.eos_ids
         out_ids = generated[:-1] if finish == "stop" and generated and generated[-1] in eos else generated
-        prefill_ms = (t_prefill - t0) * 1e3
         return Completion(
             text=text, ids=out_ids, finish_reason=finish, prompt_tokens=len(ids),
             cached_tokens=keep, prefill_tokens=len(ids) - keep,
-            completion_tokens=len(out_ids), prefill_ms=prefill_ms,
+            completion_tokens=len(out_ids), prefill_ms=(t_prefill - t0) * 1e3,
             decode_ms=(t_end - t_prefill) * 1e3,
             ttft_ms=((t_first or t_end) - t0) * 1e3, logprobs=lps,
             prefix_event=plan.log_line,
             extra={"cached_source": source, **(vision.figures() if vision is not None else {})})
+
+    def _decode(self, ids, logits, opts: SamplingOptions, generated: list, on_token, should_stop,
+                vision):
+        """Sample, stream and feed tokens after the prefill (logits None: it was cancelled).
+
+        Appends to `generated` (an end-of-sequence id included) and returns
+        (text, finish_reason, logprobs or None, time of the first token or None)."""
+        from .sampler import Sampler
+
+        max_tokens = min(opts.max_tokens, self.arena.max_seq - len(ids))
+        sampler = Sampler(opts)
+        decoder = self.tokenizer.incremental_decoder()
+        stops = StopMatcher(opts.stop)
+        eos = set() if opts.ignore_eos else self.tokenizer.eos_ids
+        text, emitted, pending = "", 0, []
+        lps: Optional[list] = [] if opts.logprobs else None
+        finish = "cancelled" if logits is None else "length"
+        t_first = None
+        while logits is not None and len(generated) < max_tokens:
+            row = logits[0]
+            tok = sampler.choose(sampler.penalize(row, ids, generated))
+            if t_first is None:
+                t_first = time.perf_counter()
+            generated.append(tok)
+            if tok in eos:
+                finish = "stop"
+                break
+            pending.append(tok)
+            if lps is not None:
+                lps.append(sampler.top_logprobs(row, tok))
+            text += decoder.feed([tok])
+            cut = stops.find(text) if stops.stops else -1
+            if cut >= 0:
+                text = text[:cut]
+                finish = "stop"
+                break
+            safe = stops.safe_len(text) if stops.stops else len(text)
+            if on_token is not None:
+                on_token(TokenEvent(pending, text[emitted:safe],
+                                    lps[-1:] if lps is not None else None))
+                pending = []
+            emitted = safe
+            if len(generated) >= max_tokens:
+                break
+            if should_stop is not None and should_stop():
+                finish = "cancelled"
+                break
+            pos = len(ids) + len(generated) - 1
+            logits = self.transformer.forward(
+                [tok], pos, vision=vision.decode_positions(pos) if vision and vision.delta else None)
+            self.arena.cache_len = pos + 1
+        if finish != "stop" or stops.find(text) < 0:
+            text += decoder.flush()
+        if on_token is not None and (pending or emitted < len(text)):
+            on_token(TokenEvent(pending, text[emitted:], None))
+        return text, finish, lps, t_first

@@ -12,7 +12,8 @@ from collections import Counter
 from typing import Any, Optional
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField
 
 from ..errors import ModelLoadError
 from .model import Q8_BLOCK, ModelConfig, Q8Experts, Q8Matrix
@@ -48,13 +49,45 @@ TENSOR_NAMES = {
 }
 
 
-class _Reader(GGUFReader):
-    """GGUFReader that parses the header through a plain ndarray view of its memory map.
+class _ArrayField:
+    """A metadata array of fixed-size scalars: one numpy view of the map (GGUFReader makes one
+    part per element, which is seconds for a 150k-token vocabulary)."""
 
-    Indexing np.memmap itself costs microseconds per call in memmap.__array_finalize__,
-    and the header is parsed one small read at a time (each token and merge string is
-    several reads), so a 150k-token vocabulary took seconds; this makes it ~3x faster.
-    Tensor arrays are still views of the same map (no copy)."""
+    def __init__(self, name: str, values: np.ndarray):
+        self.name = name
+        self.types = [GGUFValueType.ARRAY]
+        self._values = values
+
+    def contents(self, index_or_slice=slice(None)) -> Any:
+        return self._values[index_or_slice].tolist()
+
+
+class _StringArrayField:
+    """A metadata array of strings: their byte ranges in the map, decoded when asked for
+    (so invalid UTF-8 surfaces where the value is used, as with GGUFReader)."""
+
+    def __init__(self, name: str, buf: memoryview, starts: list, ends: list):
+        self.name = name
+        self.types = [GGUFValueType.ARRAY, GGUFValueType.STRING]
+        self._buf, self._starts, self._ends = buf, starts, ends
+
+    def contents(self, index_or_slice=slice(None)) -> Any:
+        buf = self._buf
+        if isinstance(index_or_slice, int):
+            return str(buf[self._starts[index_or_slice]:self._ends[index_or_slice]], "utf-8")
+        return [str(buf[a:b], "utf-8")
+                for a, b in zip(self._starts[index_or_slice], self._ends[index_or_slice])]
+
+
+class _Reader(GGUFReader):
+    """GGUFReader with a fast metadata parse.
+
+    The header is read through a plain ndarray view of the memory map (indexing np.memmap
+    costs microseconds per call in memmap.__array_finalize__), and metadata arrays (the
+    vocabulary, merges, token types) are parsed in one pass each into `_ArrayField` /
+    `_StringArrayField` instead of GGUFReader's one-part-per-element fields: start-up does
+    not grow with the vocabulary by seconds. Tensor infos and tensor views are GGUFReader's
+    (views of the same map, no copy)."""
 
     _plain: Optional[np.ndarray] = None
 
@@ -64,8 +97,53 @@ class _Reader(GGUFReader):
         count = int(count)
         end = offset + np.dtype(dtype).itemsize * count
         arr = self._plain[offset:end].view(dtype)[:count]
+        if len(arr) != count:
+            raise ValueError(f"{count} values at byte {offset} run past the end of the file")
         order = self.byte_order if override_order is None else override_order
         return arr.view(arr.dtype.newbyteorder(order))
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        for _ in range(count):
+            key_len = int(self._get(offs, np.uint64)[0])
+            name = str(self._get(offs + 8, np.uint8, key_len).tobytes(), "utf-8")
+            offs += 8 + key_len
+            raw_type = int(self._get(offs, np.uint32)[0])
+            offs += 4
+            if raw_type == GGUFValueType.ARRAY:
+                item_type = int(self._get(offs, np.uint32)[0])
+                fast = self._array_field(name, item_type, offs + 4)
+                if fast is not None:
+                    field, offs = fast
+                    self._push_field(field, skip_sum=True)
+                    continue
+            # scalars, single strings, nested arrays: GGUFReader's parts (cheap: few fields)
+            size, parts, idxs, types = self._get_field_parts(offs, raw_type)
+            self._push_field(ReaderField(offs, name, parts, idxs, types), skip_sum=True)
+            offs += size
+        return offs
+
+    def _array_field(self, name: str, item_type: int, offs: int):
+        """(field, offset after it) for an array of scalars or strings at offs (its length
+        first); None for other item types."""
+        n = int(self._get(offs, np.uint64)[0])
+        offs += 8
+        scalar = self.gguf_scalar_to_np.get(GGUFValueType(item_type))
+        if scalar is not None:
+            values = self._get(offs, scalar, n)
+            return _ArrayField(name, values), offs + values.nbytes
+        if item_type != GGUFValueType.STRING:
+            return None
+        buf = memoryview(self._plain)
+        size = len(buf)
+        u64 = struct.Struct("<Q" if self.endianess == GGUFEndian.LITTLE else ">Q").unpack_from
+        starts, ends = [0] * n, [0] * n
+        for i in range(n):
+            start = offs + 8
+            offs = start + u64(buf, offs)[0]
+            if offs > size:
+                raise ValueError(f"string {i} of {name} runs past the end of the file")
+            starts[i], ends[i] = start, offs
+        return _StringArrayField(name, buf, starts, ends), offs
 
 
 class GGUFSource:

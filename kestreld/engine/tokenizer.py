@@ -78,10 +78,19 @@ def _byte_level_alphabet() -> dict:
 
 
 _CHAR_TO_BYTE = _byte_level_alphabet()
+# str.translate table: each alphabet character -> the character of its byte value, and every
+# other character below 256 -> U+FFFF, so that latin-1 encoding of a translated token fails
+# (and the exact slow path runs) whenever the token has a character outside the alphabet.
+_ALPHABET_TO_LATIN1 = {**{c: 0xFFFF for c in range(256)},
+                       **{ord(ch): b for ch, b in _CHAR_TO_BYTE.items()}}
 
 
 def _byte_level_bytes(token: str) -> bytes:
     """The raw bytes a byte-level token stands for (characters outside the map as UTF-8)."""
+    try:
+        return token.translate(_ALPHABET_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
+        pass
     out = bytearray()
     for ch in token:
         b = _CHAR_TO_BYTE.get(ch)
