@@ -34,6 +34,11 @@ demo: build
 bench: build
 	$(PY) bench/vs_llamacpp.py --threads $(THREADS)
 
+# Qwen3-VL: one 448x448 image + a question on a random Qwen3-VL-2B-shaped model (bench/README.md)
+.PHONY: bench-vision
+bench-vision: build
+	$(PY) bench/vision.py --threads $(THREADS)
+
 # the long protocol fuzz run against a live daemon (docs/reliability.md; ~30-40 min here)
 fuzz: build
 	$(PY) bench/fuzz.py --messages 100000

@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf import quants as gq
 
+from kestreld.engine.gguf_loader import open_gguf
 from kestreld.engine.loader import load_model
 from kestreld.engine.quant import dequantize_q8_0
 from kestreld.errors import ModelLoadError
@@ -48,6 +49,24 @@ def test_smollm2_weights_match_the_file(smollm2):
     np.testing.assert_array_equal(smollm2.weights.layers[3].ffn_norm,
                                   tensors["blk.3.ffn_norm.weight"].data)
     assert smollm2.weights.out_norm.dtype == np.float32
+
+
+def test_metadata_parse_equals_gguf_reader():
+    """Our fast metadata parse (one field per array) gives GGUFReader's values, key order,
+    tensors and data offset on the real file."""
+    path = smollm2_gguf()
+    ours, ref = open_gguf(path), GGUFReader(path)
+    assert list(ours.fields) == list(ref.fields)
+    for key, field in ref.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    tokens, types = ours.fields["tokenizer.ggml.tokens"], ours.fields["tokenizer.ggml.token_type"]
+    assert len(tokens.contents()) == 49152
+    assert tokens.contents(300) == ref.fields["tokenizer.ggml.tokens"].contents(300)
+    assert tokens.contents(slice(5, 9)) == ref.fields["tokenizer.ggml.tokens"].contents(slice(5, 9))
+    assert types.contents(0) == ref.fields["tokenizer.ggml.token_type"].contents(0)
+    assert ours.data_offset == ref.data_offset
+    assert [(t.name, t.data_offset, t.n_bytes) for t in ours.tensors] == \
+        [(t.name, t.data_offset, t.n_bytes) for t in ref.tensors]
 
 
 def _load(tmp_path, spec, weights=None, **kw):
