@@ -44,7 +44,7 @@ fuzz: build
 	$(PY) bench/fuzz.py --messages 100000
 
 lint: $(VENV)/.deps
-	$(PY) -m pyflakes kestreld kestrelctl tests bench 2>/dev/null || true
+	$(PY) -m pyflakes kestreld kestrelctl tests bench
 
 clean:
 	rm -rf build *.egg-info kestreld/*.so pyx/*.c pyx/*.html .pytest_cache

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Mapping, Optional
+from typing import Optional
 
 import gguf
 import numpy as np
