@@ -139,9 +139,11 @@ async def serve(cfg: Config, engine, inherited: Optional[socket.socket] = None,
         log.info("grace of %d s over: cancelling the running request", cfg.shutdown_grace)
         scheduler.cancel_running()
         await loop.run_in_executor(None, scheduler.wait_idle, CANCEL_WAIT_S)
+    # the worker posts a job's answer just after it stops counting as running: join it so
+    # that answer is queued on the loop before the connections close
+    await loop.run_in_executor(None, scheduler.join, CANCEL_WAIT_S)
     await asyncio.sleep(0)              # let the last replies reach their connections
     await server.close_connections()
-    scheduler.join(CANCEL_WAIT_S)
     await loop.run_in_executor(None, engine.close)   # the disk KV writer's queue
     notifier.close()
     log.info("stopped")

@@ -205,14 +205,20 @@ class Scheduler:
                 waiting = list(self._queue)
             for i, j in enumerate(waiting):   # a request ahead has moved on: i + 1 are ahead now
                 self._post(j, Progress("queued", max(0, j.ahead - i - 1), j.ahead))
+            final = None
             try:
-                self._run(job)
+                final = self._run(job)
             finally:
                 with self._lock:
                     self._running = None
                     self._wake.notify_all()
+            # the answer goes out only once the job no longer counts as running, so a
+            # client that has its answer never sees `busy` for it in status
+            if final is not None:
+                self._post(job, final)
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job) -> Union[Done, Failed]:
+        """Run one job on the engine; returns its final event (posted by the caller)."""
         start = time.monotonic()
         queue_ms = (start - job.received) * 1000.0
         first_token: list = []
@@ -236,14 +242,12 @@ class Scheduler:
                                       should_stop=job.stop.is_set, vision=images)
         except KestrelError as e:
             log.info("request conn=%d msgid=%d failed: %s: %s", job.conn_id, job.msgid, e.code, e)
-            self._post(job, Failed(e))
-            return
+            return Failed(e)
         except Exception as e:   # an engine bug must not kill the worker or the daemon
             log.exception("request conn=%d msgid=%d: internal error", job.conn_id, job.msgid)
-            self._post(job, Failed(InternalError(f"internal error: {type(e).__name__}: {e}")))
-            return
+            return Failed(InternalError(f"internal error: {type(e).__name__}: {e}"))
         ttft_ms = ((first_token[0] if first_token else time.monotonic()) - job.received) * 1000.0
         log.info(request_log_line(job, c, queue_ms))
         if c.prefix_event:
             log.info(c.prefix_event)
-        self._post(job, Done(c, queue_ms, ttft_ms))
+        return Done(c, queue_ms, ttft_ms)
