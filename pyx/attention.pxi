@@ -38,6 +38,12 @@ def kv_store(const float[:, :, ::1] k, const float[:, :, ::1] v, int8_t[:, :, ::
         vs[h, pos0 + t] = ks_quantize_head(&v[t, h, 0], &vq[h, pos0 + t, 0], <int>hd)
 
 
+def set_attention_tiles(bint enabled):
+    """Lets attention share each K / V load among tiles of queries (the default) or compute
+    every query alone; the results are the same bits (tests compare the two). Returns the state."""
+    return bool(ks_set_attn_tiles(enabled))
+
+
 def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[:, ::1] ks,
               const int8_t[:, :, ::1] vq, const float[:, ::1] vs, int pos0, float scale,
               int kv_bs, float[:, :, ::1] out, int nthreads):
@@ -45,7 +51,7 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
     over one layer's int8 KV (keys 0 .. pos0+t for query t, already stored):
     out (n, n_heads, hd) = softmax(scale * q . k_j) . v_j, k_j = ks*kq, v_j = vs*vq, with query
     head h reading KV head h // (n_heads // n_kv). Keys go in blocks of kv_bs (a power of two
-    >= 16) through an online softmax. Work items: (8-token tile, KV head) in prefill;
+    >= 16) through an online softmax. Work items: (16-token tile, KV head) in prefill;
     (KV head, key split) in decode (n == 1), merged per head afterwards."""
     cdef Py_ssize_t n = q.shape[0], n_heads = q.shape[1], hd = q.shape[2]
     cdef Py_ssize_t n_kv = kq.shape[0], max_seq = kq.shape[1]

@@ -28,6 +28,7 @@ cdef extern from "ks_attention.h" nogil:
     int64_t ks_attn_scratch_floats(int nq, int hd, int kv_bs)
     int64_t ks_attn_part_floats(int G, int hd)
     int ks_attn_split_len(int ctx, int kv_bs)
+    int ks_set_attn_tiles(int on)
     void ks_attn_prefill_item(const float *q, const int8_t *kq, const float *ks,
                               const int8_t *vq, const float *vs, float *out,
                               int n_heads, int n_kv, int hd, int max_seq, int pos0,

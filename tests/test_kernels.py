@@ -373,6 +373,30 @@ def test_attention_chunked_prefill_and_decode_equal_one_full_prefill():
     assert report("attention full prefill", full, want) < 2e-5
 
 
+@pytest.mark.parametrize("n,pos0,n_heads,n_kv,hd,kv_bs", [
+    (37, 101, 6, 2, 48, 32),       # odd sizes, hd an odd multiple of 16: the 1-query value strips
+    (70, 300, 16, 8, 128, 32),     # Qwen3-0.6B heads: pairs of heads, tiles across tokens
+    (45, 260, 9, 3, 64, 32),       # SmolLM2 heads: GQA 3:1, tiles cross token boundaries
+    (33, 0, 8, 2, 32, 16),         # first chunk (diagonal blocks only), GQA 4:1
+    (1, 900, 16, 4, 64, 32),       # decode: the 4 heads of a KV head form one tile
+])
+def test_attention_query_tiles_give_the_same_bits(n, pos0, n_heads, n_kv, hd, kv_bs):
+    """Tiles of queries share K / V loads but keep each query's arithmetic and its order, so
+    attention with tiles equals attention with every query alone, bit for bit (-0.0 included)."""
+    rng = np.random.default_rng(n * pos0 + hd)
+    kv = store_prompt(rng, pos0 + n, n_kv, hd, pos0 + n + 3)
+    q = rng.standard_normal((n, n_heads, hd)).astype(np.float32)
+    try:
+        assert K.set_attention_tiles(False) is False
+        alone = run_attention(q, kv, pos0, kv_bs, 2)
+    finally:
+        assert K.set_attention_tiles(True) is True
+    tiled = run_attention(q, kv, pos0, kv_bs, 2)
+    np.testing.assert_array_equal(tiled.view(np.uint32), alone.view(np.uint32))
+    want = ref_attention(q, *kv, pos0, 1.0 / np.sqrt(hd))
+    assert report(f"attention tiles n={n} pos0={pos0} hd={hd}", tiled, want) < 2e-5
+
+
 def test_attention_rejects_bad_arguments():
     rng = np.random.default_rng(1)
     kv = store_prompt(rng, 8, 2, 64, 8)
