@@ -1,6 +1,8 @@
 # One decode step in one call: every layer of a single token, in C (ks_decode.h).
 # Layer tuples: (wq, wk, wv, wo, w_gate, w_up, w_down) Q8_0 bytes, then attn_norm, ffn_norm,
-# q_norm, k_norm (f32; q_norm/k_norm may be None); KV tuples: one arena layer (kq, ks, vq, vs).
+# q_norm, k_norm (f32; q_norm/k_norm may be None), then moe: None, or for a Qwen3-MoE layer
+# (router (E, hidden) f32, gate, up, down: E stacked Q8_0 matrices as uint8 (E, rows, bytes))
+# with w_gate/w_up/w_down None; KV tuples: one arena layer (kq, ks, vq, vs).
 
 cdef const uint8_t *_q8_ptr(object a, Py_ssize_t rows, Py_ssize_t cols, str what) except NULL:
     cdef const uint8_t[:, ::1] mv = a
@@ -17,6 +19,16 @@ cdef const float *_vec_ptr(object a, Py_ssize_t n, str what) except NULL:
     return &mv[0]
 
 
+cdef const uint8_t *_q8_stack_ptr(object a, Py_ssize_t n, Py_ssize_t rows, Py_ssize_t cols,
+                                  str what) except NULL:
+    cdef const uint8_t[:, :, ::1] mv = a
+    if mv.shape[0] != n or mv.shape[1] != rows or mv.shape[2] != cols // KS_QK * KS_QBLOCK:
+        raise ValueError(f"DecodeStep: {what} must be {n} stacked Q8_0 ({rows}, {cols}) = bytes "
+                         f"({n}, {rows}, {cols // KS_QK * KS_QBLOCK}), got ({mv.shape[0]}, "
+                         f"{mv.shape[1]}, {mv.shape[2]})")
+    return &mv[0, 0, 0]
+
+
 cdef float *_buf(object a) except NULL:
     cdef float[::1] mv = a
     return &mv[0]
@@ -26,9 +38,11 @@ cdef class DecodeStep:
     """The decode forward pass of one model over one KV arena, in one C call per token.
 
     DecodeStep(tok_embd, output, out_norm, cos_t, sin_t, layers, kv_layers, n_heads, n_kv,
-               eps, scale, kv_bs, neox, nthreads): arrays as forward.py holds them (see
-    decode.pxi's header for the tuples). `step(token, pos, logits (1, vocab))` runs the token
-    at pos, stores its KV, writes its logits: the same bits as the per-kernel path."""
+               eps, scale, kv_bs, neox, nthreads, n_experts_used=0, norm_topk_prob=False):
+    arrays as forward.py holds them (see decode.pxi's header for the tuples); the last two
+    are the MoE layers' top-k and its renormalization. `step(token, pos, logits (1, vocab))`
+    runs the token at pos, stores its KV, writes its logits: the same bits as the per-kernel
+    path."""
     cdef ks_model m
     cdef ks_layer *layers
     cdef list _keep          # every array the pointers point into
@@ -41,7 +55,8 @@ cdef class DecodeStep:
         free(self.layers)
 
     def __init__(self, tok_embd, output, out_norm, cos_t, sin_t, list layers, list kv_layers,
-                 int n_heads, int n_kv, float eps, float scale, int kv_bs, bint neox, int nthreads):
+                 int n_heads, int n_kv, float eps, float scale, int kv_bs, bint neox, int nthreads,
+                 int n_experts_used=0, bint norm_topk_prob=False):
         cdef const uint8_t[:, ::1] emb = tok_embd
         cdef const float[:, ::1] ct = cos_t
         cdef const float[:, ::1] st = sin_t
@@ -50,9 +65,12 @@ cdef class DecodeStep:
         cdef float[:, ::1] ks
         cdef float[:, ::1] vs
         cdef int8_t[::1] xq_mv
+        cdef int32_t[::1] idx_mv
         cdef ks_model *m = &self.m
         cdef ks_layer *L
+        cdef const float[:, ::1] router
         cdef Py_ssize_t H = emb.shape[1] // KS_QBLOCK * KS_QK, li, G, hd, q_dim, kv_dim, ffn
+        cdef Py_ssize_t n_exp = 0, eff = 0
         _check_threads(nthreads)
         if len(layers) != len(kv_layers) or not layers:
             raise ValueError(f"DecodeStep: {len(layers)} layers and {len(kv_layers)} KV layers")
@@ -67,7 +85,14 @@ cdef class DecodeStep:
             raise ValueError(f"DecodeStep: kv_bs must be a power of two >= {KS_ATTN_STRIP}, got {kv_bs}")
         G = n_heads // n_kv
         q_dim, kv_dim = n_heads * hd, n_kv * hd
-        ffn = layers[0][4].shape[0]
+        dense = [w for w in layers if w[11] is None]
+        ffn = dense[0][4].shape[0] if dense else 0
+        moe = [w[11] for w in layers if w[11] is not None]
+        if moe:
+            n_exp, eff = moe[0][1].shape[0], moe[0][1].shape[1]
+            if not 0 < n_experts_used <= n_exp:
+                raise ValueError(f"DecodeStep: n_experts_used must be in 1..{n_exp}, "
+                                 f"got {n_experts_used}")
         if ct.shape[0] < kq.shape[1] or ct.shape[1] != hd // 2 or st.shape[0] != ct.shape[0] \
                 or st.shape[1] != ct.shape[1]:
             raise ValueError(f"DecodeStep: rope tables must be ({kq.shape[1]}, {hd // 2})")
@@ -76,6 +101,7 @@ cdef class DecodeStep:
         m.n_layers, m.hidden, m.n_heads, m.n_kv, m.hd = len(layers), H, n_heads, n_kv, hd
         m.ffn, m.vocab, m.max_seq, m.kv_bs, m.neox = ffn, emb.shape[0], kq.shape[1], kv_bs, neox
         m.eps, m.scale = eps, scale
+        m.n_exp, m.n_used, m.expert_ffn, m.norm_topk = n_exp, n_experts_used, eff, norm_topk_prob
         m.tok_embd = &emb[0, 0]
         m.output = _q8_ptr(output, m.vocab, H, "output")
         m.out_norm = _vec_ptr(out_norm, H, "out_norm")
@@ -91,9 +117,21 @@ cdef class DecodeStep:
             L.wk = _q8_ptr(w[1], kv_dim, H, "wk")
             L.wv = _q8_ptr(w[2], kv_dim, H, "wv")
             L.wo = _q8_ptr(w[3], H, q_dim, "wo")
-            L.w_gate = _q8_ptr(w[4], ffn, H, "w_gate")
-            L.w_up = _q8_ptr(w[5], ffn, H, "w_up")
-            L.w_down = _q8_ptr(w[6], H, ffn, "w_down")
+            L.w_gate = L.w_up = L.w_down = L.gate_exps = L.up_exps = L.down_exps = NULL
+            L.router = NULL
+            if w[11] is None:
+                L.w_gate = _q8_ptr(w[4], ffn, H, "w_gate")
+                L.w_up = _q8_ptr(w[5], ffn, H, "w_up")
+                L.w_down = _q8_ptr(w[6], H, ffn, "w_down")
+            else:
+                router = w[11][0]
+                if router.shape[0] != n_exp or router.shape[1] != H:
+                    raise ValueError(f"DecodeStep: router must be ({n_exp}, {H}), "
+                                     f"got ({router.shape[0]}, {router.shape[1]})")
+                L.router = &router[0, 0]
+                L.gate_exps = _q8_stack_ptr(w[11][1], n_exp, eff, H, "gate experts")
+                L.up_exps = _q8_stack_ptr(w[11][2], n_exp, eff, H, "up experts")
+                L.down_exps = _q8_stack_ptr(w[11][3], n_exp, H, eff, "down experts")
             L.attn_norm = _vec_ptr(w[7], H, "attn_norm")
             L.ffn_norm = _vec_ptr(w[8], H, "ffn_norm")
             L.q_norm = L.k_norm = NULL
@@ -109,17 +147,28 @@ cdef class DecodeStep:
         widest = max(H, q_dim, ffn)
         bufs = {name: np.zeros(size, dtype=np.float32) for name, size in (
             ("x", H), ("xn", H), ("q", q_dim), ("k", kv_dim), ("v", kv_dim), ("att", q_dim),
-            ("proj", H), ("gate", ffn), ("up", ffn), ("xd", widest // KS_QK),
+            ("proj", H), ("gate", max(ffn, 1)), ("up", max(ffn, 1)), ("xd", widest // KS_QK),
             ("attn_scratch", nthreads * ks_attn_scratch_floats(<int>G, <int>hd, kv_bs)),
-            ("attn_parts", n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats(<int>G, <int>hd)))}
+            ("attn_parts", n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats(<int>G, <int>hd)),
+            ("probs", max(n_exp, 1)), ("top_w", max(n_experts_used, 1)),
+            ("egate", max(n_experts_used * eff, 1)), ("eup", max(n_experts_used * eff, 1)),
+            ("ehd", max(n_experts_used * eff // KS_QK, 1)), ("ey", max(n_experts_used * H, 1)))}
         xq = np.zeros(widest, dtype=np.int8)
-        self._keep += [bufs, xq]
+        ehq = np.zeros(max(n_experts_used * eff, 1), dtype=np.int8)
+        top_idx = np.zeros(max(n_experts_used, 1), dtype=np.int32)
+        self._keep += [bufs, xq, ehq, top_idx]
         m.x, m.xn, m.q, m.k = _buf(bufs["x"]), _buf(bufs["xn"]), _buf(bufs["q"]), _buf(bufs["k"])
         m.v, m.att, m.proj = _buf(bufs["v"]), _buf(bufs["att"]), _buf(bufs["proj"])
         m.gate, m.up, m.xd = _buf(bufs["gate"]), _buf(bufs["up"]), _buf(bufs["xd"])
         m.attn_scratch, m.attn_parts = _buf(bufs["attn_scratch"]), _buf(bufs["attn_parts"])
+        m.probs, m.top_w = _buf(bufs["probs"]), _buf(bufs["top_w"])
+        m.egate, m.eup, m.ehd, m.ey = _buf(bufs["egate"]), _buf(bufs["eup"]), _buf(bufs["ehd"]), _buf(bufs["ey"])
         xq_mv = xq
         m.xq = &xq_mv[0]
+        xq_mv = ehq
+        m.ehq = &xq_mv[0]
+        idx_mv = top_idx
+        m.top_idx = &idx_mv[0]
 
     def step(self, int token, int pos, float[:, ::1] logits):
         """Runs `token` at position `pos` (KV of 0 .. pos-1 stored); logits (1, vocab)."""

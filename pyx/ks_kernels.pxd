@@ -1,5 +1,5 @@
 # C declarations of the kernel headers (pyx/ks_*.h), cimported by _kernels.pyx.
-from libc.stdint cimport int8_t, uint8_t, int64_t
+from libc.stdint cimport int8_t, uint8_t, int32_t, int64_t
 
 
 cdef extern from "ks_common.h" nogil:
@@ -44,6 +44,12 @@ cdef extern from "ks_attention.h" nogil:
 cdef extern from "ks_rows.h" nogil:
     void ks_rmsnorm_row(const float *x, const float *w, float eps, float *out, int64_t d)
     void ks_rope_row(float *row, const float *ct, const float *st, int64_t hd, int neox)
+    void ks_add_scaled(float *x, const float *y, float w, int64_t d)
+
+
+cdef extern from "ks_moe.h" nogil:
+    void ks_moe_route_row(const float *x, const float *router, int64_t d, int n_exp,
+                          int norm_topk, float *probs, int32_t *idx, float *w, int k)
 
 
 cdef extern from "ks_decode.h" nogil:
@@ -59,12 +65,17 @@ cdef extern from "ks_decode.h" nogil:
         const float *ffn_norm
         const float *q_norm
         const float *k_norm
+        const float *router
+        const uint8_t *gate_exps
+        const uint8_t *up_exps
+        const uint8_t *down_exps
         int8_t *kq
         int8_t *vq
         float *ks
         float *vs
     ctypedef struct ks_model:
         int n_layers, hidden, n_heads, n_kv, hd, ffn, vocab, max_seq, kv_bs, neox
+        int n_exp, n_used, expert_ffn, norm_topk
         float eps, scale
         const ks_layer *layers
         const uint8_t *tok_embd
@@ -85,5 +96,13 @@ cdef extern from "ks_decode.h" nogil:
         int8_t *xq
         float *attn_scratch
         float *attn_parts
+        float *probs
+        float *top_w
+        float *egate
+        float *eup
+        float *ehd
+        float *ey
+        int32_t *top_idx
+        int8_t *ehq
     int KS_ATTN_SPLIT_MAX
     void ks_decode_step(const ks_model *M, int token, int pos, float *logits, int nthreads)

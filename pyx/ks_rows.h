@@ -1,4 +1,4 @@
-/* Kestrel kernels: the per-row float kernels (RMSNorm, RoPE), shared by the per-op Python
+/* Kestrel kernels: the per-row float kernels (RMSNorm, RoPE, scaled add), shared by the per-op Python
  * entry points and the fused decode step (no Python here). */
 #ifndef KS_ROWS_H
 #define KS_ROWS_H
@@ -37,6 +37,13 @@ static inline void ks_rope_row(float *row, const float *ct, const float *st, int
         *p0 = x0 * c - x1 * s;
         *p1 = x0 * s + x1 * c;
     }
+}
+
+/* x (d) += w * y: one rounding per element (KS_FMADD), so w = 1 is exactly x + y. */
+static inline void ks_add_scaled(float *x, const float *y, float w, int64_t d)
+{
+    for (int64_t i = 0; i < d; i++)
+        x[i] = KS_FMADD(w, y[i], x[i]);
 }
 
 #endif /* KS_ROWS_H */

@@ -1,65 +1,8 @@
 # Mixture-of-experts plumbing (Qwen3-MoE): the router (softmax + top-k), grouping a chunk's
 # (token, slot) pairs by expert, gathering quantized activation rows into that order, and
-# the router-weighted sum of the experts' outputs. The expert matmuls are matmul_q8_0.
-from libc.math cimport expf
+# the router-weighted sum of the experts' outputs. The expert matmuls are matmul_q8_0; the
+# router's arithmetic is in ks_moe.h, shared with the fused decode step.
 from libc.string cimport memcpy
-
-
-cdef inline float _dot_f32(const float *a, const float *b, Py_ssize_t d) noexcept nogil:
-    # 8 partial sums: vectorized by the compiler, and less rounding than one running sum
-    cdef float part[8]
-    cdef float s = 0.0
-    cdef Py_ssize_t i, j
-    for j in range(8):
-        part[j] = 0.0
-    for i in range(0, d - d % 8, 8):
-        for j in range(8):
-            part[j] += a[i + j] * b[i + j]
-    for i in range(d - d % 8, d):
-        part[0] += a[i] * b[i]
-    for j in range(8):
-        s += part[j]
-    return s
-
-
-cdef inline void _route_row(const float *x, const float *router, Py_ssize_t d, Py_ssize_t n_exp,
-                            bint norm_topk, float *probs, int32_t *idx, float *w,
-                            Py_ssize_t k) noexcept nogil:
-    cdef Py_ssize_t e, j
-    cdef float mx, s, p, prev_p
-    cdef int32_t best, prev_e
-    for e in range(n_exp):
-        probs[e] = _dot_f32(x, router + e * d, d)
-    mx = probs[0]
-    for e in range(1, n_exp):
-        if probs[e] > mx:
-            mx = probs[e]
-    s = 0.0
-    for e in range(n_exp):
-        probs[e] = expf(probs[e] - mx)
-        s += probs[e]
-    for e in range(n_exp):
-        probs[e] = probs[e] / s
-    # top-k by repeated selection in the strict order (probability desc, index asc): the
-    # j-th pick is the best expert ranked after the (j-1)-th, so no marks are needed
-    prev_p = 2.0
-    prev_e = -1
-    s = 0.0
-    for j in range(k):
-        best = -1
-        for e in range(n_exp):
-            p = probs[e]
-            if p < prev_p or (p == prev_p and e > prev_e):
-                if best < 0 or p > probs[best]:
-                    best = <int32_t>e
-        idx[j] = best
-        w[j] = probs[best]
-        s += probs[best]
-        prev_p = probs[best]
-        prev_e = best
-    if norm_topk:
-        for j in range(k):
-            w[j] = w[j] / s
 
 
 def moe_route(const float[:, ::1] x, const float[:, ::1] router, bint norm_topk,
@@ -86,8 +29,8 @@ def moe_route(const float[:, ::1] x, const float[:, ::1] router, bint norm_topk,
     if n == 0:
         return
     for t in prange(n, nogil=True, num_threads=nthreads, schedule="static"):
-        _route_row(&x[t, 0], &router[0, 0], d, n_exp, norm_topk, &probs[t, 0],
-                   &top_idx[t, 0], &top_w[t, 0], k)
+        ks_moe_route_row(&x[t, 0], &router[0, 0], d, <int>n_exp, norm_topk, &probs[t, 0],
+                         &top_idx[t, 0], &top_w[t, 0], <int>k)
 
 
 def moe_group(const int32_t[:, ::1] top_idx, int32_t[::1] counts, int32_t[::1] offsets,
@@ -170,10 +113,7 @@ def moe_combine(const float[:, ::1] y, const int32_t[:, ::1] slot_pos, const flo
     the experts' outputs y (n*k, d), weighted by the router, added into out (n, d).
     slot_pos, top_w: (n, k)."""
     cdef Py_ssize_t n = out.shape[0], d = out.shape[1], k = slot_pos.shape[1], m = y.shape[0]
-    cdef Py_ssize_t t, j, i
-    cdef float wj
-    cdef const float *src
-    cdef float *dst
+    cdef Py_ssize_t t, j
     _check_threads(nthreads)
     if y.shape[1] != d:
         raise ValueError(f"moe_combine: y must have {d} columns like out, got {y.shape[1]}")
@@ -188,9 +128,5 @@ def moe_combine(const float[:, ::1] y, const int32_t[:, ::1] slot_pos, const flo
     if n == 0 or d == 0:
         return
     for t in prange(n, nogil=True, num_threads=nthreads, schedule="static"):
-        dst = &out[t, 0]
         for j in range(k):
-            wj = top_w[t, j]
-            src = &y[slot_pos[t, j], 0]
-            for i in range(d):
-                dst[i] += wj * src[i]
+            ks_add_scaled(&out[t, 0], &y[slot_pos[t, j], 0], top_w[t, j], d)

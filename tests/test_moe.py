@@ -301,6 +301,33 @@ def test_chunking_and_prefix_reuse_keep_greedy_tokens(moe_zoo):
     assert hit.ids == miss.ids
 
 
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_decode_step_equals_the_per_kernel_path_bit_for_bit(moe_zoo, nthreads):
+    """One token through Transformer.forward takes K.DecodeStep, which routes and runs the
+    experts in C; with logits_out it takes the per-kernel path (moe.py). Same logits and the
+    same stored KV, bit for bit, in a model with MoE and dense layers."""
+    from kestreld.engine.arena import KVArena
+    from kestreld.engine.forward import Transformer
+    loaded = load_model(str(moe_zoo.get("qwen3moe_norm").gguf["q8_0"]))
+    c = loaded.config
+    assert c.moe_layers and len(c.moe_layers) < c.n_layers
+    arenas = [KVArena(c.n_layers, c.n_kv_heads, c.head_dim, 512, 32) for _ in range(2)]
+    fused, per_kernel = (Transformer(loaded, a, 64, nthreads) for a in arenas)
+    prompt = modelgen_moe.prompt_ids("qwen3moe_norm", 200, seed=5)
+    for tr in (fused, per_kernel):
+        for p0 in range(0, 200, 64):
+            tr.forward(prompt[p0:p0 + 64], p0)
+    logits = np.empty((1, c.vocab), np.float32)
+    for pos, tok in zip(range(200, 206), modelgen_moe.prompt_ids("qwen3moe_norm", 6, seed=6)):
+        got = fused.forward([tok], pos).copy()
+        per_kernel.forward([tok], pos, logits_out=logits)
+        assert np.array_equal(got, logits), np.abs(got - logits).max()
+        assert np.isfinite(got).all() and got.std() > 0
+    for li in range(c.n_layers):
+        for a, b in zip(arenas[0].layer(li), arenas[1].layer(li)):
+            assert np.array_equal(a[:, :206], b[:, :206])
+
+
 # ---------------------------------------------------------------- memory
 
 def _resident_fraction(arr: np.ndarray, pagemap_fd: int) -> float:

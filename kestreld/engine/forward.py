@@ -64,18 +64,20 @@ class Transformer:
         self.logits = np.zeros((1, c.vocab), dtype=np.float32)   # (1, vocab) last position
         self.ids = np.zeros(max_chunk, dtype=np.int32)
         self.moe = MoEFeedForward(c, max_chunk, threads) if c.moe_layers else None
-        # Decode (one token) of a dense model runs every layer in one kernel call: the same
-        # kernels in the same order as `forward` below, without a Python call and a thread
-        # fork/join per kernel. (MoE layers take the per-kernel path.)
+        # Decode (one token) runs every layer in one kernel call: the same kernels in the same
+        # order as `forward` below, without a Python call and a thread fork/join per kernel.
         w = self.w
-        dense = all(L.moe is None for L in w.layers)
-        self.decode_step = None if not dense else K.DecodeStep(
+        self.decode_step = K.DecodeStep(
             w.tok_embd.data, w.output.data, w.out_norm, self.cos, self.sin,
-            [(L.wq.data, L.wk.data, L.wv.data, L.wo.data, L.w_gate.data, L.w_up.data,
-              L.w_down.data, L.attn_norm, L.ffn_norm, L.q_norm if c.qk_norm else None,
-              L.k_norm if c.qk_norm else None) for L in w.layers],
+            [(L.wq.data, L.wk.data, L.wv.data, L.wo.data,
+              *((None,) * 3 if L.moe else (L.w_gate.data, L.w_up.data, L.w_down.data)),
+              L.attn_norm, L.ffn_norm, L.q_norm if c.qk_norm else None,
+              L.k_norm if c.qk_norm else None,
+              (L.moe.router, L.moe.gate.data, L.moe.up.data, L.moe.down.data) if L.moe else None)
+             for L in w.layers],
             [arena.layer(li) for li in range(c.n_layers)],
-            c.n_heads, c.n_kv_heads, c.norm_eps, self.scale, arena.kv_bs, c.rope_neox, threads)
+            c.n_heads, c.n_kv_heads, c.norm_eps, self.scale, arena.kv_bs, c.rope_neox, threads,
+            c.n_experts_used if c.moe_layers else 0, bool(c.norm_topk_prob))
 
     # ---- small helpers ------------------------------------------------------------
     def _matmul(self, w: Q8Matrix, x: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -109,7 +111,7 @@ class Transformer:
             raise ValueError(f"chunk of {n} tokens; 1..{self.max_chunk} allowed")
         if pos0 + n > self.arena.max_seq:
             raise ValueError(f"positions up to {pos0 + n} exceed max_seq={self.arena.max_seq}")
-        if n == 1 and logits_out is None and self.decode_step is not None and vision is None:
+        if n == 1 and logits_out is None and vision is None:
             self.decode_step.step(int(ids[0]), pos0, self.logits)
             return self.logits
         ids_arr = self.ids[:n]
