@@ -47,6 +47,7 @@ cdef class DecodeStep:
     cdef ks_layer *layers
     cdef list _keep          # every array the pointers point into
     cdef int nthreads
+    cdef Py_ssize_t rope_rows   # positions the RoPE tables cover
 
     def __cinit__(self):
         self.layers = NULL
@@ -98,6 +99,7 @@ cdef class DecodeStep:
             raise ValueError(f"DecodeStep: rope tables must be ({kq.shape[1]}, {hd // 2})")
         self._keep = [tok_embd, output, out_norm, cos_t, sin_t, layers, kv_layers]
         self.nthreads = nthreads
+        self.rope_rows = ct.shape[0]
         m.n_layers, m.hidden, m.n_heads, m.n_kv, m.hd = len(layers), H, n_heads, n_kv, hd
         m.ffn, m.vocab, m.max_seq, m.kv_bs, m.neox = ffn, emb.shape[0], kq.shape[1], kv_bs, neox
         m.eps, m.scale = eps, scale
@@ -170,16 +172,20 @@ cdef class DecodeStep:
         idx_mv = top_idx
         m.top_idx = &idx_mv[0]
 
-    def step(self, int token, int pos, float[:, ::1] logits):
-        """Runs `token` at position `pos` (KV of 0 .. pos-1 stored); logits (1, vocab)."""
+    def step(self, int token, int pos, float[:, ::1] logits, int rope_pos=-1):
+        """Runs `token` at position `pos` (KV of 0 .. pos-1 stored); logits (1, vocab).
+        rope_pos >= 0: RoPE turns the token by rope_pos instead of pos (Qwen3-VL text after
+        images, whose three M-RoPE components are all rope_pos)."""
+        if rope_pos < 0:
+            rope_pos = pos
         if not 0 <= token < self.m.vocab:
             raise ValueError(f"DecodeStep: token {token} is outside [0, {self.m.vocab})")
         if not 0 <= pos < self.m.max_seq:
             raise ValueError(f"DecodeStep: position {pos} is outside [0, {self.m.max_seq})")
+        if rope_pos >= self.rope_rows:
+            raise ValueError(f"DecodeStep: RoPE position {rope_pos} is outside [0, {self.rope_rows})")
         if logits.shape[0] != 1 or logits.shape[1] != self.m.vocab:
             raise ValueError(f"DecodeStep: logits must be (1, {self.m.vocab}), "
                              f"got ({logits.shape[0]}, {logits.shape[1]})")
         with nogil:
-            ks_decode_step(&self.m, token, pos, &logits[0, 0], self.nthreads)
-
-
+            ks_decode_step(&self.m, token, pos, rope_pos, &logits[0, 0], self.nthreads)

@@ -102,8 +102,10 @@ static inline void ks_decode_moe(const ks_model *M, const ks_layer *L)
         ks_add_scaled(M->x, M->ey + (int64_t)j * H, M->top_w[j], H);
 }
 
-/* Token `token` at position pos (KV of 0 .. pos-1 stored): stores its KV, writes logits (vocab). */
-static void ks_decode_step(const ks_model *M, int token, int pos, float *logits, int nthreads)
+/* Token `token` at position pos (KV of 0 .. pos-1 stored): stores its KV, writes logits (vocab).
+ * RoPE turns it by rope_pos (pos, except for Qwen3-VL text after images). */
+static void ks_decode_step(const ks_model *M, int token, int pos, int rope_pos, float *logits,
+                           int nthreads)
 {
     const int H = M->hidden, hd = M->hd, G = M->n_heads / M->n_kv;
     const int q_dim = M->n_heads * hd, kv_dim = M->n_kv * hd;
@@ -111,7 +113,8 @@ static void ks_decode_step(const ks_model *M, int token, int pos, float *logits,
     const int n_split = (pos + split) / split;
     const int64_t scratch_floats = ks_attn_scratch_floats(G, hd, M->kv_bs);
     const int64_t part_floats = ks_attn_part_floats(G, hd);
-    const float *ct = M->cos_t + (int64_t)pos * (hd / 2), *st = M->sin_t + (int64_t)pos * (hd / 2);
+    const float *ct = M->cos_t + (int64_t)rope_pos * (hd / 2);
+    const float *st = M->sin_t + (int64_t)rope_pos * (hd / 2);
 
     #pragma omp parallel num_threads(nthreads)
     {

@@ -105,4 +105,5 @@ cdef extern from "ks_decode.h" nogil:
         int32_t *top_idx
         int8_t *ehq
     int KS_ATTN_SPLIT_MAX
-    void ks_decode_step(const ks_model *M, int token, int pos, float *logits, int nthreads)
+    void ks_decode_step(const ks_model *M, int token, int pos, int rope_pos, float *logits,
+                        int nthreads)

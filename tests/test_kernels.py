@@ -462,13 +462,18 @@ def test_decode_step_equals_the_per_kernel_path_bit_for_bit(qwen, nthreads):
         for p0 in range(0, 600, 64):
             tr.forward(prompt[p0:p0 + 64], p0)
     logits = np.empty((1, c.vocab), np.float32)
-    for pos, tok in zip([600, 601, 602], rng.integers(0, c.vocab, size=3).tolist()):
-        got = fused.forward([tok], pos).copy()
-        per_kernel.forward([tok], pos, logits_out=logits)
+    # the last token turned by another RoPE position (Qwen3-VL text after images)
+    for pos, tok, rope_pos in zip([600, 601, 602, 603], rng.integers(0, c.vocab, size=4).tolist(),
+                                  [None, None, None, 590]):
+        got = fused.forward([tok], pos, rope_pos0=rope_pos).copy()
+        per_kernel.forward([tok], pos, logits_out=logits, rope_pos0=rope_pos)
         assert np.array_equal(got, logits), np.abs(got - logits).max()
         assert np.isfinite(got).all() and got.std() > 0
     for a, b in zip(arenas[0].layer(1), arenas[1].layer(1)):
-        assert np.array_equal(a[:, :603], b[:, :603])
+        assert np.array_equal(a[:, :604], b[:, :604])
+    unturned = np.empty_like(logits)
+    per_kernel.forward([tok], 603, logits_out=unturned)
+    assert not np.array_equal(unturned, logits)
 
 
 def test_decode_step_rejects_bad_arguments():
@@ -483,3 +488,5 @@ def test_decode_step_rejects_bad_arguments():
         tr.decode_step.step(0, 256, tr.logits)
     with pytest.raises(ValueError, match="logits"):
         tr.decode_step.step(0, 0, np.zeros((1, c.vocab + 1), np.float32))
+    with pytest.raises(ValueError, match="RoPE position"):
+        tr.decode_step.step(0, 0, tr.logits, 256)

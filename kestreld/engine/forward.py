@@ -96,12 +96,13 @@ class Transformer:
 
     # ---- the pass -----------------------------------------------------------------
     def forward(self, ids, pos0: int, logits_out: np.ndarray | None = None,
-                vision: ChunkVision | None = None) -> np.ndarray:
+                vision: ChunkVision | None = None, rope_pos0: int | None = None) -> np.ndarray:
         """Run tokens `ids` (n <= max_chunk) at positions pos0.. and store their KV.
 
         `vision` (Qwen3-VL, a prompt with images): the chunk's M-RoPE positions (3, n), which
         replace pos0.. in RoPE (the KV still goes to pos0..), and its visual tokens' input
-        embeddings and DeepStack features.
+        embeddings and DeepStack features. `rope_pos0` (Qwen3-VL text after images): RoPE
+        positions start there instead of pos0 (all three M-RoPE components are equal).
 
         Returns logits of the last token (1, vocab), or fills `logits_out` (n, vocab)
         with every position's logits when given (tests and diagnostics)."""
@@ -111,15 +112,17 @@ class Transformer:
             raise ValueError(f"chunk of {n} tokens; 1..{self.max_chunk} allowed")
         if pos0 + n > self.arena.max_seq:
             raise ValueError(f"positions up to {pos0 + n} exceed max_seq={self.arena.max_seq}")
+        if rope_pos0 is None:
+            rope_pos0 = pos0
         if n == 1 and logits_out is None and vision is None:
-            self.decode_step.step(int(ids[0]), pos0, self.logits)
+            self.decode_step.step(int(ids[0]), pos0, self.logits, rope_pos0)
             return self.logits
         ids_arr = self.ids[:n]
         ids_arr[:] = ids
         x = s.get("x", n, c.hidden)
         xn = s.get("xn", n, c.hidden)
         K.dequantize_rows_q8_0(self.w.tok_embd.data, ids_arr, x)
-        rope_cos, rope_sin, rope_pos0 = self.cos, self.sin, pos0
+        rope_cos, rope_sin = self.cos, self.sin
         if vision is not None:
             rope_cos, rope_sin = self.mrope.tables(vision.positions)
             rope_pos0 = 0

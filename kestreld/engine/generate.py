@@ -315,7 +315,7 @@ class Engine:
                 break
             pos = len(ids) + len(generated) - 1
             logits = self.transformer.forward(
-                [tok], pos, vision=vision.decode_positions(pos) if vision and vision.delta else None)
+                [tok], pos, rope_pos0=pos + vision.delta if vision is not None else None)
             self.arena.cache_len = pos + 1
         if finish != "stop" or stops.find(text) < 0:
             text += decoder.flush()

@@ -90,11 +90,6 @@ class VisionPrompt:
             self.positions[:, a:b], np.concatenate(rows), np.concatenate(embeds),
             [np.concatenate([d[j] for d in ds]) for j in range(n_layers)])
 
-    def decode_positions(self, pos: int) -> ChunkVision:
-        """The generated token at index `pos`: position pos + delta in all three."""
-        return ChunkVision(np.full((3, 1), pos + self.delta, np.int64), np.zeros(0, np.int64),
-                           None, [])
-
     def figures(self) -> dict:
         return {"images": len(self.images), "visual_tokens": self.visual_tokens,
                 "images_encoded": self.encoded, "encode_ms": round(self.encode_ms, 3)}
