@@ -148,7 +148,7 @@ cdef class DecodeStep:
             L.kq, L.ks, L.vq, L.vs = &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0], &vs[0, 0]
         widest = max(H, q_dim, ffn)
         bufs = {name: np.zeros(size, dtype=np.float32) for name, size in (
-            ("x", H), ("xn", H), ("q", q_dim), ("k", kv_dim), ("v", kv_dim), ("att", q_dim),
+            ("x", nthreads * H), ("xn", nthreads * H), ("xnd", nthreads * H // KS_QK), ("q", q_dim), ("k", kv_dim), ("v", kv_dim), ("att", q_dim),
             ("proj", H), ("gate", max(ffn, 1)), ("up", max(ffn, 1)), ("xd", widest // KS_QK),
             ("attn_scratch", nthreads * ks_attn_scratch_floats(<int>G, <int>hd, kv_bs)),
             ("attn_parts", n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats(<int>G, <int>hd)),
@@ -156,9 +156,10 @@ cdef class DecodeStep:
             ("egate", max(n_experts_used * eff, 1)), ("eup", max(n_experts_used * eff, 1)),
             ("ehd", max(n_experts_used * eff // KS_QK, 1)), ("ey", max(n_experts_used * H, 1)))}
         xq = np.zeros(widest, dtype=np.int8)
+        xnq = np.zeros(nthreads * H, dtype=np.int8)
         ehq = np.zeros(max(n_experts_used * eff, 1), dtype=np.int8)
         top_idx = np.zeros(max(n_experts_used, 1), dtype=np.int32)
-        self._keep += [bufs, xq, ehq, top_idx]
+        self._keep += [bufs, xq, xnq, ehq, top_idx]
         m.x, m.xn, m.q, m.k = _buf(bufs["x"]), _buf(bufs["xn"]), _buf(bufs["q"]), _buf(bufs["k"])
         m.v, m.att, m.proj = _buf(bufs["v"]), _buf(bufs["att"]), _buf(bufs["proj"])
         m.gate, m.up, m.xd = _buf(bufs["gate"]), _buf(bufs["up"]), _buf(bufs["xd"])
@@ -167,6 +168,9 @@ cdef class DecodeStep:
         m.egate, m.eup, m.ehd, m.ey = _buf(bufs["egate"]), _buf(bufs["eup"]), _buf(bufs["ehd"]), _buf(bufs["ey"])
         xq_mv = xq
         m.xq = &xq_mv[0]
+        xq_mv = xnq
+        m.xnq = &xq_mv[0]
+        m.xnd = _buf(bufs["xnd"])
         xq_mv = ehq
         m.ehq = &xq_mv[0]
         idx_mv = top_idx

@@ -3,8 +3,8 @@
  *
  * Decode is memory-bound and its kernels are tiny: calling them one by one from Python costs
  * a Python call, a GIL release and an OpenMP fork/join each, ~15 per layer. Here the threads
- * stay in one team for the whole token; the matrix products and attention are shared with
- * `omp for`, the small row kernels run on one thread (`omp single`). Every value is computed
+ * stay in one team for the whole token; the matrix products, attention and per-head work are
+ * shared with `omp for`, and each thread keeps its own copy of the residual stream. Every value is computed
  * by the same functions, in the same order, as the per-kernel path of forward.py, so the two
  * give the same bits. A Qwen3-MoE layer (router != NULL) routes the token here too and runs
  * only its k experts, like moe.py does for a chunk.
@@ -37,9 +37,10 @@ typedef struct {
     const ks_layer *layers;
     const uint8_t *tok_embd, *output;
     const float *out_norm, *cos_t, *sin_t;   /* tables (max_seq, hd/2) */
-    /* one token's buffers */
-    float *x, *xn, *q, *k, *v, *att, *proj, *gate, *up, *xd;
-    int8_t *xq;
+    /* one token's buffers. x, xn, xnq, xnd: one residual stream per thread (ks_residual);
+     * xq, xd: the Q8_0 of att (q_dim), then of swiglu (ffn) */
+    float *x, *xn, *xnd, *q, *k, *v, *att, *proj, *gate, *up, *xd;
+    int8_t *xnq, *xq;
     float *attn_scratch;      /* nthreads * ks_attn_scratch_floats(G, hd, kv_bs) */
     float *attn_parts;        /* n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats(G, hd) */
     /* MoE: router probabilities (n_exp), the chosen experts and their weights (n_used), their
@@ -75,19 +76,33 @@ static inline void ks_decode_matmul(const uint8_t *w, int m, int k, const int8_t
     ks_decode_matmul_stack(w, &first, 1, m, k, xq, xd, 0, out);
 }
 
-/* x += the routed experts of the token whose normed row (xn) and its Q8_0 (xq, xd) are
- * ready: the router, the k experts' gate and up, swiglu, down, the weighted sum. Call from
- * every thread of the team; ends with x updated and the team in step. */
-static inline void ks_decode_moe(const ks_model *M, const ks_layer *L)
+/* One thread's copy of the residual stream: every thread adds, norms and quantizes it itself
+ * (the same bits on each), so no thread waits for another between a product and the next. */
+typedef struct {
+    float *x, *xn, *xd;       /* (hidden), (hidden), (hidden / 32) */
+    int8_t *xq;               /* (hidden): xn as Q8_0 (values; xd its scales) */
+} ks_residual;
+
+/* r.xn, r.xq, r.xd = Q8_0 of rmsnorm(r.x) with weights w */
+static inline void ks_decode_norm(const ks_model *M, const ks_residual *r, const float *w)
+{
+    ks_rmsnorm_row(r->x, w, M->eps, r->xn, M->hidden);
+    ks_quantize_row_q8_0(r->xn, r->xq, r->xd, M->hidden);
+}
+
+/* The routed experts of the token whose normed row and its Q8_0 are in r: the router, the k
+ * experts' gate and up, swiglu, down into M->ey. Call from every thread of the team; the
+ * caller adds the weighted outputs (ks_decode_ffn_add) after a barrier. */
+static inline void ks_decode_moe(const ks_model *M, const ks_layer *L, const ks_residual *r)
 {
     const int H = M->hidden, F = M->expert_ffn, k = M->n_used;
     #pragma omp for schedule(static)
     for (int e = 0; e < M->n_exp; e++)
-        M->probs[e] = ks_dot_f32(M->xn, L->router + (int64_t)e * H, H);
+        M->probs[e] = ks_dot_f32(r->xn, L->router + (int64_t)e * H, H);
     #pragma omp single
     ks_moe_select(M->probs, M->n_exp, M->norm_topk, M->top_idx, M->top_w, k);
-    ks_decode_matmul_stack(L->gate_exps, M->top_idx, k, F, H, M->xq, M->xd, 0, M->egate);
-    ks_decode_matmul_stack(L->up_exps, M->top_idx, k, F, H, M->xq, M->xd, 0, M->eup);
+    ks_decode_matmul_stack(L->gate_exps, M->top_idx, k, F, H, r->xq, r->xd, 0, M->egate);
+    ks_decode_matmul_stack(L->up_exps, M->top_idx, k, F, H, r->xq, r->xd, 0, M->eup);
     #pragma omp barrier
     #pragma omp for schedule(static)
     for (int j = 0; j < k; j++) {
@@ -96,14 +111,40 @@ static inline void ks_decode_moe(const ks_model *M, const ks_layer *L)
         ks_quantize_row_q8_0(g, M->ehq + (int64_t)j * F, M->ehd + (int64_t)j * (F / KS_QK), F);
     }
     ks_decode_matmul_stack(L->down_exps, M->top_idx, k, H, F, M->ehq, M->ehd, F, M->ey);
-    #pragma omp barrier
-    #pragma omp single
-    for (int j = 0; j < k; j++)
-        ks_add_scaled(M->x, M->ey + (int64_t)j * H, M->top_w[j], H);
+}
+
+/* The dense feed-forward's gate and up, swiglu and its Q8_0 (M->xq, M->xd), by blocks of 32
+ * rows so each block is finished by the thread that computed it; then down into M->proj. */
+static inline void ks_decode_mlp(const ks_model *M, const ks_layer *L, const ks_residual *r)
+{
+    const int H = M->hidden, F = M->ffn;
+    const int64_t stride = (int64_t)H / KS_QK * KS_QBLOCK;
+    #pragma omp for schedule(static)
+    for (int b = 0; b < F / KS_QK; b++) {
+        const int r0 = b * KS_QK;
+        ks_q8_matmul_rows(L->w_gate, stride, r->xq, r->xd, 1, H, M->gate, F, r0, r0 + KS_QK);
+        ks_q8_matmul_rows(L->w_up, stride, r->xq, r->xd, 1, H, M->up, F, r0, r0 + KS_QK);
+        ks_swiglu(M->gate + r0, M->up + r0, M->gate + r0, KS_QK);
+        ks_quantize_row_q8_0(M->gate + r0, M->xq + r0, M->xd + b, KS_QK);
+    }
+    ks_decode_matmul(L->w_down, H, F, M->xq, M->xd, M->proj);
+}
+
+/* x += the feed-forward output of layer L (after the barrier that ends its products) */
+static inline void ks_decode_ffn_add(const ks_model *M, const ks_layer *L, float *x)
+{
+    if (!L->router) {
+        ks_add_scaled(x, M->proj, 1.0f, M->hidden);
+        return;
+    }
+    for (int j = 0; j < M->n_used; j++)
+        ks_add_scaled(x, M->ey + (int64_t)j * M->hidden, M->top_w[j], M->hidden);
 }
 
 /* Token `token` at position pos (KV of 0 .. pos-1 stored): stores its KV, writes logits (vocab).
- * RoPE turns it by rope_pos (pos, except for Qwen3-VL text after images). */
+ * RoPE turns it by rope_pos (pos, except for Qwen3-VL text after images). Shared buffers are
+ * written inside work-shared loops and read after the barrier that ends them: 7 barriers a
+ * dense layer. */
 static void ks_decode_step(const ks_model *M, int token, int pos, int rope_pos, float *logits,
                            int nthreads)
 {
@@ -118,36 +159,39 @@ static void ks_decode_step(const ks_model *M, int token, int pos, int rope_pos, 
 
     #pragma omp parallel num_threads(nthreads)
     {
-        float *scratch = M->attn_scratch + omp_get_thread_num() * scratch_floats;
-        #pragma omp single
-        ks_dequantize_row_q8_0(M->tok_embd + (int64_t)token * (H / KS_QK * KS_QBLOCK), M->x, H);
+        const int tid = omp_get_thread_num();
+        float *scratch = M->attn_scratch + tid * scratch_floats;
+        const ks_residual r = {M->x + (int64_t)tid * H, M->xn + (int64_t)tid * H,
+                               M->xnd + (int64_t)tid * (H / KS_QK), M->xnq + (int64_t)tid * H};
+        ks_dequantize_row_q8_0(M->tok_embd + (int64_t)token * (H / KS_QK * KS_QBLOCK), r.x, H);
 
         for (int li = 0; li < M->n_layers; li++) {
             const ks_layer *L = &M->layers[li];
-            #pragma omp single
-            {
-                ks_rmsnorm_row(M->x, L->attn_norm, M->eps, M->xn, H);
-                ks_quantize_row_q8_0(M->xn, M->xq, M->xd, H);
-            }
-            ks_decode_matmul(L->wq, q_dim, H, M->xq, M->xd, M->q);
-            ks_decode_matmul(L->wk, kv_dim, H, M->xq, M->xd, M->k);
-            ks_decode_matmul(L->wv, kv_dim, H, M->xq, M->xd, M->v);
+            if (li > 0)
+                ks_decode_ffn_add(M, L - 1, r.x);
+            ks_decode_norm(M, &r, L->attn_norm);
+            ks_decode_matmul(L->wq, q_dim, H, r.xq, r.xd, M->q);
+            ks_decode_matmul(L->wk, kv_dim, H, r.xq, r.xd, M->k);
+            ks_decode_matmul(L->wv, kv_dim, H, r.xq, r.xd, M->v);
             #pragma omp barrier
-            #pragma omp single
-            {
-                for (int h = 0; h < M->n_heads; h++) {
+            /* q heads: norm, rope; then KV heads: norm, rope, into the arena */
+            #pragma omp for schedule(static)
+            for (int h = 0; h < M->n_heads + M->n_kv; h++) {
+                if (h < M->n_heads) {
+                    float *qh = M->q + h * hd;
                     if (L->q_norm)
-                        ks_rmsnorm_row(M->q + h * hd, L->q_norm, M->eps, M->q + h * hd, hd);
-                    ks_rope_row(M->q + h * hd, ct, st, hd, M->neox);
+                        ks_rmsnorm_row(qh, L->q_norm, M->eps, qh, hd);
+                    ks_rope_row(qh, ct, st, hd, M->neox);
+                    continue;
                 }
-                for (int g = 0; g < M->n_kv; g++) {
-                    if (L->k_norm)
-                        ks_rmsnorm_row(M->k + g * hd, L->k_norm, M->eps, M->k + g * hd, hd);
-                    ks_rope_row(M->k + g * hd, ct, st, hd, M->neox);
-                    const int64_t row = (int64_t)g * M->max_seq + pos;
-                    L->ks[row] = ks_quantize_head(M->k + g * hd, L->kq + row * hd, hd);
-                    L->vs[row] = ks_quantize_head(M->v + g * hd, L->vq + row * hd, hd);
-                }
+                const int g = h - M->n_heads;
+                float *kh = M->k + g * hd;
+                if (L->k_norm)
+                    ks_rmsnorm_row(kh, L->k_norm, M->eps, kh, hd);
+                ks_rope_row(kh, ct, st, hd, M->neox);
+                const int64_t row = (int64_t)g * M->max_seq + pos;
+                L->ks[row] = ks_quantize_head(kh, L->kq + row * hd, hd);
+                L->vs[row] = ks_quantize_head(M->v + g * hd, L->vq + row * hd, hd);
             }
             #pragma omp for schedule(static)
             for (int it = 0; it < M->n_kv * n_split; it++)
@@ -155,42 +199,25 @@ static void ks_decode_step(const ks_model *M, int token, int pos, int rope_pos, 
                                     M->attn_parts + it * part_floats, M->n_heads, M->n_kv, hd,
                                     M->max_seq, pos, M->scale, M->kv_bs, split, it % n_split,
                                     it / n_split, scratch);
+            /* each head's output and its Q8_0 blocks (hd is a multiple of 32) */
             #pragma omp for schedule(static)
-            for (int h = 0; h < M->n_heads; h++)
+            for (int h = 0; h < M->n_heads; h++) {
                 ks_attn_decode_merge(M->attn_parts, M->att, M->n_heads, M->n_kv, hd, n_split, h);
-            #pragma omp single
-            ks_quantize_row_q8_0(M->att, M->xq, M->xd, q_dim);
+                ks_quantize_row_q8_0(M->att + h * hd, M->xq + h * hd, M->xd + h * (hd / KS_QK), hd);
+            }
             ks_decode_matmul(L->wo, H, q_dim, M->xq, M->xd, M->proj);
             #pragma omp barrier
-            #pragma omp single
-            {
-                ks_add_scaled(M->x, M->proj, 1.0f, H);
-                ks_rmsnorm_row(M->x, L->ffn_norm, M->eps, M->xn, H);
-                ks_quantize_row_q8_0(M->xn, M->xq, M->xd, H);
-            }
-            if (L->router) {
-                ks_decode_moe(M, L);
-                continue;
-            }
-            ks_decode_matmul(L->w_gate, M->ffn, H, M->xq, M->xd, M->gate);
-            ks_decode_matmul(L->w_up, M->ffn, H, M->xq, M->xd, M->up);
+            ks_add_scaled(r.x, M->proj, 1.0f, H);
+            ks_decode_norm(M, &r, L->ffn_norm);
+            if (L->router)
+                ks_decode_moe(M, L, &r);
+            else
+                ks_decode_mlp(M, L, &r);
             #pragma omp barrier
-            #pragma omp single
-            {
-                ks_swiglu(M->gate, M->up, M->gate, M->ffn);
-                ks_quantize_row_q8_0(M->gate, M->xq, M->xd, M->ffn);
-            }
-            ks_decode_matmul(L->w_down, H, M->ffn, M->xq, M->xd, M->proj);
-            #pragma omp barrier
-            #pragma omp single
-            ks_add_scaled(M->x, M->proj, 1.0f, H);
         }
-        #pragma omp single
-        {
-            ks_rmsnorm_row(M->x, M->out_norm, M->eps, M->xn, H);
-            ks_quantize_row_q8_0(M->xn, M->xq, M->xd, H);
-        }
-        ks_decode_matmul(M->output, M->vocab, H, M->xq, M->xd, logits);
+        ks_decode_ffn_add(M, &M->layers[M->n_layers - 1], r.x);
+        ks_decode_norm(M, &r, M->out_norm);
+        ks_decode_matmul(M->output, M->vocab, H, r.xq, r.xd, logits);
     }
 }
 

@@ -93,7 +93,9 @@ cdef extern from "ks_decode.h" nogil:
         float *gate
         float *up
         float *xd
+        float *xnd
         int8_t *xq
+        int8_t *xnq
         float *attn_scratch
         float *attn_parts
         float *probs
