@@ -22,9 +22,9 @@ first request is a prefix miss (asserted), and runs in the in-process `Engine`:
 The median of `--reps` repetitions is reported, after one warm-up request that pages the
 weights in; RSS after load, after that first request and after the first prefix hit.
 
-There is no llama.cpp reference: llama.cpp runs Qwen3-VL's vision tower from a separate
-mmproj GGUF, which does not exist for a random-weight model (and Kestrel reads Qwen3-VL
-only from Hugging Face directories).
+There is no llama.cpp column yet (kestreld.engine.convert_vl could write the text GGUF +
+mmproj pair llama.cpp needs; bench/mmproj_vs_mtmd.py compares the two engines' image
+embeddings on a small model).
 """
 from __future__ import annotations
 

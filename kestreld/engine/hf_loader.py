@@ -284,6 +284,13 @@ class HFSource:
         t = self._tensor(self.name(role, layer), (rows, cols))
         return np.array(bf16_to_f32(t.data) if t.dtype == "BF16" else t.data, dtype=np.float32)
 
+    def shape(self, name: str) -> tuple:
+        """The shape of the tensor `name` as the file holds it."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: missing tensor {name}")
+        return t.shape
+
     def tensor_f32(self, name: str, shape: tuple) -> np.ndarray:
         """The tensor `name` (by its file name, e.g. a vision weight) as float32 (a copy)."""
         t = self._tensor(name, tuple(shape))

@@ -19,13 +19,15 @@ from .model import LayerWeights, LoadedModel, ModelConfig, ModelWeights, MoEWeig
 log = logging.getLogger("kestreld")
 
 
-def load_model(path: str, cache_dir: Optional[str] = None) -> LoadedModel:
+def load_model(path: str, cache_dir: Optional[str] = None,
+               mmproj: Optional[str] = None) -> LoadedModel:
     """Load a model; any fault raises ModelLoadError naming the file and what is wrong.
 
     With `cache_dir`, a GGUF whose matrices are not all Q8_0 is converted once into a
     cached Q8_0 GGUF there and memory-mapped from it on every later start (fast start,
     weights in place); without it, or if the cache cannot be written, the conversion is
-    done in memory at each load."""
+    done in memory at each load. `mmproj`: llama.cpp's vision projector GGUF that goes with
+    a qwen3vl text GGUF (the vision half of a split Qwen3-VL)."""
     if os.path.isdir(path):
         source = HFSource(path)
     elif os.path.exists(path):
@@ -41,13 +43,29 @@ def load_model(path: str, cache_dir: Optional[str] = None) -> LoadedModel:
         source_format=source.source_format,
         source_dtype=source.source_dtype,
         keepalive=source.keepalive,
-        vision=_vision(source),
+        vision=_vision(source, path, mmproj),
+        mmproj=mmproj,
     )
 
 
-def _vision(source):
-    """Qwen3-VL's vision encoder (HF directories only; a GGUF holds the text model)."""
-    if source.config.arch != "qwen3vl" or source.source_format != "hf":
+def _vision(source, path: str, mmproj: Optional[str]):
+    """Qwen3-VL's vision encoder: from the HF directory itself, or from the mmproj GGUF
+    that goes with a qwen3vl text GGUF; None for a text-only model."""
+    arch = source.config.arch
+    if mmproj is not None:
+        if source.source_format != "gguf":
+            raise ModelLoadError(f"{mmproj}: an mmproj goes with a GGUF model; {path} is a "
+                                 "Hugging Face directory, which holds its own vision weights")
+        if arch != "qwen3vl":
+            raise ModelLoadError(f"{mmproj}: the model {path} is {arch}, which takes no "
+                                 "images; an mmproj goes with a qwen3vl text GGUF")
+        from .mmproj import load_mmproj
+        return load_mmproj(mmproj, source)
+    if arch != "qwen3vl":
+        return None
+    if source.source_format == "gguf":
+        log.info("%s holds Qwen3-VL's language model only: images are refused "
+                 "(pass its vision projector with --mmproj)", path)
         return None
     from .vision import load_vision
     return load_vision(source)

@@ -131,3 +131,4 @@ class LoadedModel:
     source_dtype: str             # what the file held, e.g. "q8_0", "q4_1", "bf16"
     keepalive: list = field(default_factory=list)  # memory maps the arrays view into
     vision: Optional[object] = None  # Qwen3-VL: the vision encoder (vision.VisionEncoder)
+    mmproj: Optional[str] = None     # the vision projector GGUF the encoder came from, if any

@@ -218,6 +218,10 @@ class Tokenizer:
         table = self._token_bytes
         return b"".join(table[i] for i in ids)
 
+    def token_id(self, text: str) -> Optional[int]:
+        """The id of the token spelled `text` (e.g. "<|image_pad|>"), None if there is none."""
+        return self._tok.token_to_id(text)
+
     def token_text(self, token_id: int) -> str:
         """The text of one token (a piece of a multi-byte character shows as U+FFFD)."""
         return self.decode([token_id])

@@ -230,6 +230,12 @@ class VisionEncoder:
 
 def load_vision(source) -> VisionEncoder:
     """The vision encoder of an opened Qwen3-VL HF directory (an HFSource)."""
+    return VisionEncoder(hf_vision_config(source), source.tensor_f32)
+
+
+def hf_vision_config(source) -> VisionConfig:
+    """The VisionConfig of an opened Qwen3-VL HF directory: config.json's vision_config and
+    image token ids, preprocessor_config.json."""
     hf, path = source.hf_config, source.path
     v = hf.get("vision_config")
     if not isinstance(v, dict):
@@ -250,15 +256,21 @@ def load_vision(source) -> VisionEncoder:
         )
     except KeyError as e:
         raise ModelLoadError(f"{path}/config.json: missing key {e.args[0]} for Qwen3-VL") from None
+    check_vision_config(c, source.config, f"{path}/config.json")
+    return c
+
+
+def check_vision_config(c: VisionConfig, text, where: str) -> None:
+    """Shapes the encoder can run and that fit the language model (`text`, a ModelConfig);
+    a fault is a ModelLoadError naming `where`."""
     if (c.hidden % c.n_heads or (c.hidden // c.n_heads) % 4 or c.hidden % Q8_BLOCK
-            or c.ffn % Q8_BLOCK or c.out_hidden != source.config.hidden):
-        raise ModelLoadError(f"{path}/config.json: unsupported vision shape: hidden {c.hidden}, "
+            or c.ffn % Q8_BLOCK or c.out_hidden != text.hidden):
+        raise ModelLoadError(f"{where}: unsupported vision shape: hidden {c.hidden}, "
                              f"{c.n_heads} heads, ffn {c.ffn}, out {c.out_hidden} "
-                             f"(language model hidden {source.config.hidden})")
-    if len(c.deepstack) > source.config.n_layers:
-        raise ModelLoadError(f"{path}/config.json: {len(c.deepstack)} DeepStack features for "
-                             f"{source.config.n_layers} language-model layers")
-    return VisionEncoder(c, source.tensor_f32)
+                             f"(language model hidden {text.hidden})")
+    if len(c.deepstack) > text.n_layers:
+        raise ModelLoadError(f"{where}: {len(c.deepstack)} DeepStack features for "
+                             f"{text.n_layers} language-model layers")
 
 
 def _image_spec(path: str, patch: int, merge: int) -> ImageSpec:
