@@ -304,7 +304,8 @@ def test_chat_with_an_image_through_the_daemon(vl, tmp_path):
     ids, vp = engine.chat_prompt(_chat(vl["images"][0], QUESTION))
     want = engine.generate(ids, SamplingOptions(max_tokens=8, ignore_eos=True), vision=vp)
 
-    with Daemon(tmp_path / "k.sock", model=str(vl["gen"].dir)) as d:
+    with Daemon(tmp_path / "k.sock", "--cache-dir", str(tmp_path / "cache"),
+                model=str(vl["gen"].dir)) as d:
         cli = subprocess.run(
             [sys.executable, "-m", "kestrelctl.cli", "--socket", d.socket, "chat", "-m", QUESTION,
              "--image", str(image), "--max-tokens", "8", "--ignore-eos", "--stats"],

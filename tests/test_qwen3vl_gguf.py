@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import os
 
 import gguf
 import numpy as np
@@ -128,6 +129,44 @@ def test_a_cached_q8_0_conversion_keeps_the_pair_working(vl, tmp_path):
     model = load_model(text, cache_dir=str(tmp_path), mmproj=mmproj)
     assert list(tmp_path.glob("*.Q8_0.gguf")) and model.config.mrope_section == (6, 5, 5)
     assert model.vision.cfg.deepstack == (0, 1)
+
+
+def test_an_hf_dir_with_a_cache_dir_loads_its_cached_q8_0_pair(vl, tmp_path, caplog):
+    """With a cache directory, a Qwen3-VL HF directory is converted once to a Q8_0 pair and
+    memory-mapped from it afterwards (weights used in place); editing the directory makes a
+    new conversion. Its logits stay within the bars against transformers."""
+    gen, cache = vl["gen"], tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="kestreld"):
+        model = load_model(str(gen.dir), cache_dir=str(cache))
+    assert "converting" in caplog.text
+    text, mmproj = sorted(cache.glob("*.Q8_0.gguf"), key=lambda p: p.name.startswith("mmproj"))
+    assert model.source_format == "gguf" and model.mmproj == str(mmproj)
+    assert model.vision is not None and model.vision.cfg == vl["hf"].vision.cfg
+    assert not model.weights.layers[0].wq.data.flags.owndata      # a view of the map
+    caplog.clear()
+    mtime = text.stat().st_mtime_ns
+    with caplog.at_level(logging.INFO, logger="kestreld"):
+        again = load_model(str(gen.dir), cache_dir=str(cache))
+    assert "converting" not in caplog.text and text.stat().st_mtime_ns == mtime
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 200, size=256).tolist()
+    got = Engine(again, max_seq=320, threads=2).forward_logits(ids, 0)
+    with vl["torch"].no_grad():
+        exact = vl["ref"](input_ids=vl["torch"].tensor([ids])).logits[0].double().numpy()
+    rel = rel_rms_error(got, exact)
+    agree, count = margin_top1_agreement(got, exact)
+    assert rel <= MAX_REL and agree >= MIN_AGREE and count >= 128, (rel, agree, count)
+
+    cfg = gen.dir / "config.json"
+    st = cfg.stat()
+    try:
+        os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # the model "changed"
+        with caplog.at_level(logging.INFO, logger="kestreld"):
+            load_model(str(gen.dir), cache_dir=str(cache))
+        assert "converting" in caplog.text
+    finally:
+        os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 # ---------------------------------------------------------------- images
@@ -259,7 +298,8 @@ def test_chat_with_an_image_through_the_daemon(vl, tmp_path):
     ids, vp = engine.chat_prompt(_chat(vl["images"][0], QUESTION))
     want = engine.generate(ids, SamplingOptions(max_tokens=8, ignore_eos=True), vision=vp)
     text, mmproj = vl["pairs"]["f32"]
-    with Daemon(tmp_path / "k.sock", "--mmproj", mmproj, model=text) as d:
+    with Daemon(tmp_path / "k.sock", "--mmproj", mmproj, "--cache-dir", str(tmp_path / "cache"),
+                model=text) as d:
         with d.client() as c:
             got = c.chat(_chat(vl["images"][0], QUESTION), max_tokens=8, ignore_eos=True)
     assert got.ids == want.ids

@@ -113,60 +113,96 @@ def default_model_path() -> Optional[str]:
 
 
 def _stamp(path: str) -> dict:
-    st = os.stat(path)
-    return {"source": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    """What a cached conversion was made from: the source's path and, for each of its files
+    (the file itself, or a directory's files), size and mtime."""
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
+    else:
+        names = [""]
+    files = {}
+    for n in names:
+        st = os.stat(os.path.join(path, n) if n else path)
+        files[n] = [st.st_size, st.st_mtime_ns]
+    return {"source": os.path.abspath(path), "files": files}
 
 
-def _cache_name(src: str) -> str:
-    """Cache file name for a source: its stem, a hash of its absolute path, `.Q8_0.gguf`."""
-    stem = os.path.basename(src)
+def cache_stem(src: str, suffixes: tuple = ()) -> str:
+    """Cache file stem for a source: its name without `.gguf` and the given type suffixes,
+    then a hash of its absolute path (two sources of the same name do not collide)."""
+    stem = os.path.basename(os.path.normpath(src))
     stem = stem[:-5] if stem.endswith(".gguf") else stem
-    for suffix in (".Q4_0", ".Q4_1", ".Q4_K_M", ".Q4_K_S", ".Q5_K_M", ".Q6_K", ".F16", ".BF16", ".F32"):
+    for suffix in suffixes:
         if stem.upper().endswith(suffix.upper()):
             stem = stem[:-len(suffix)]
     digest = hashlib.sha1(os.path.abspath(src).encode()).hexdigest()[:10]
-    return f"{stem}-{digest}.Q8_0.gguf"
+    return f"{stem}-{digest}"
 
 
-def find_cached_q8_0(src: str, cache_dir: str) -> Optional[str]:
-    """The cached Q8_0 conversion of `src` if one exists and its stamp (the source's path,
-    size and mtime) still matches; else None."""
-    dst = os.path.join(cache_dir, _cache_name(src))
+def _cache_name(src: str) -> str:
+    """Cache file name of a GGUF's Q8_0 conversion."""
+    return cache_stem(src, (".Q4_0", ".Q4_1", ".Q4_K_M", ".Q4_K_S", ".Q5_K_M", ".Q6_K", ".F16",
+                            ".BF16", ".F32")) + ".Q8_0.gguf"
+
+
+def find_cached(src: str, cache_dir: str, names: list) -> Optional[list]:
+    """The paths of the cached files `names` made from `src`, if they all exist and the
+    stamp beside the first (the source's path, files, sizes and mtimes) still matches."""
+    paths = [os.path.join(cache_dir, n) for n in names]
     try:
-        with open(dst + ".stamp") as f:
-            if json.load(f) == _stamp(src) and os.path.isfile(dst):
-                return dst
+        with open(paths[0] + ".stamp") as f:
+            if json.load(f) == _stamp(src) and all(os.path.isfile(p) for p in paths):
+                return paths
     except (OSError, ValueError):
         pass
     return None
 
 
-def cached_q8_0(src: str, cache_dir: str) -> str:
-    """The Q8_0 conversion of GGUF `src`, made once in `cache_dir` and reused.
+def cached_conversion(src: str, cache_dir: str, names: list, write) -> list:
+    """Files `names` in `cache_dir` made from `src` by `write(paths)` once, and reused.
 
-    A `.stamp` file beside it records the source's path, size and mtime; a stale or missing
-    stamp means convert again. The file is written under a temporary name and renamed, so
+    A `.stamp` file beside the first records what they were made from; a stale or missing
+    stamp means convert again. The files are written under temporary names and renamed, so
     concurrent callers never see a partial file. Raises OSError if cache_dir is not
-    writable, ModelLoadError if the source cannot be converted."""
-    found = find_cached_q8_0(src, cache_dir)
+    writable, and whatever `write` raises (ModelLoadError when the source cannot be
+    converted)."""
+    found = find_cached(src, cache_dir, names)
     if found:
         return found
-    dst = os.path.join(cache_dir, _cache_name(src))
     os.makedirs(cache_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".gguf.part")
-    os.close(fd)
+    tmps = []
     try:
-        convert_to_q8_0(src, tmp)
-        os.chmod(tmp, 0o644)   # mkstemp makes 0600; the cache is a plain shared file
-        os.replace(tmp, dst)
+        for _ in names:
+            fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".gguf.part")
+            os.close(fd)
+            tmps.append(tmp)
+        write(tmps)
+        paths = [os.path.join(cache_dir, n) for n in names]
+        for tmp, dst in zip(tmps, paths):
+            os.chmod(tmp, 0o644)   # mkstemp makes 0600; the cache is a plain shared file
+            os.replace(tmp, dst)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".stamp.part")
     with os.fdopen(fd, "w") as f:
         json.dump(_stamp(src), f)
-    os.replace(tmp, dst + ".stamp")
-    return dst
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, paths[0] + ".stamp")
+    return paths
+
+
+def find_cached_q8_0(src: str, cache_dir: str) -> Optional[str]:
+    """The cached Q8_0 conversion of GGUF `src` if it exists and is current; else None."""
+    found = find_cached(src, cache_dir, [_cache_name(src)])
+    return found[0] if found else None
+
+
+def cached_q8_0(src: str, cache_dir: str) -> str:
+    """The Q8_0 conversion of GGUF `src`, made once in `cache_dir` and reused (see
+    cached_conversion)."""
+    return cached_conversion(src, cache_dir, [_cache_name(src)],
+                             lambda paths: convert_to_q8_0(src, paths[0]))[0]
 
 
 def smollm2_q8_0_path(cache_dir: str) -> str:

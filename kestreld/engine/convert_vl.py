@@ -23,6 +23,7 @@ CLI: python -m kestreld.engine.convert_vl HF_DIR OUT_DIR [--outtype f16]
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -30,11 +31,13 @@ import gguf
 import numpy as np
 
 from ..errors import ModelLoadError
+from .convert import cache_stem, cached_conversion, find_cached
 from .gguf_loader import TENSOR_NAMES as GGUF_NAMES
 from .hf_loader import HFSource
 from .mmproj import HF_PATCH_KERNEL, PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
 from .vision import hf_vision_config
 
+log = logging.getLogger("kestreld")
 QT = gguf.GGMLQuantizationType
 OUTTYPES = {"f32": (QT.F32, gguf.LlamaFileType.ALL_F32),
             "f16": (QT.F16, gguf.LlamaFileType.MOSTLY_F16),
@@ -50,22 +53,47 @@ _FLOAT_VISION = PATCH_KERNELS + ("v.position_embd.weight",)
 def convert_qwen3vl(hf_dir: str, out_dir: str, outtype: str = "f16") -> tuple[str, str]:
     """Write the text GGUF and the mmproj GGUF of the Qwen3-VL directory `hf_dir` into
     `out_dir`; return their paths. Faults in the directory raise ModelLoadError."""
-    qtype, ftype = OUTTYPES[outtype]
-    src = HFSource(hf_dir)
-    if src.config.arch != "qwen3vl":
-        raise ModelLoadError(f"{hf_dir}: a {src.config.arch} model, not Qwen3-VL "
-                             "(Qwen3VLForConditionalGeneration)")
-    vcfg = hf_vision_config(src)
-    if vcfg.temporal_patch != len(PATCH_KERNELS):
-        raise ModelLoadError(f"{hf_dir}/config.json: temporal_patch_size {vcfg.temporal_patch}; "
-                             f"the mmproj layout holds {len(PATCH_KERNELS)} temporal taps")
+    src = _open_qwen3vl(hf_dir)
     name = os.path.basename(os.path.normpath(hf_dir))
     os.makedirs(out_dir, exist_ok=True)
     text_path = os.path.join(out_dir, f"{name}-{outtype.upper()}.gguf")
     mmproj_path = os.path.join(out_dir, f"mmproj-{name}-{outtype.upper()}.gguf")
+    _write_pair(src, text_path, mmproj_path, outtype)
+    return text_path, mmproj_path
+
+
+def cached_qwen3vl_pair(hf_dir: str, cache_dir: str) -> tuple[str, str]:
+    """The Q8_0 pair of the Qwen3-VL directory `hf_dir`, converted once into `cache_dir`
+    and memory-mapped from there on later starts (as for non-Q8_0 GGUFs; convert.py's
+    cached_conversion). Raises OSError if cache_dir is not writable."""
+    stem = cache_stem(hf_dir)
+    names = [f"{stem}.Q8_0.gguf", f"mmproj-{stem}.Q8_0.gguf"]
+    found = find_cached(hf_dir, cache_dir, names)
+    if found:
+        return found[0], found[1]
+    src = _open_qwen3vl(hf_dir)
+    log.info("converting %s to a Q8_0 GGUF + mmproj pair once, into %s", hf_dir, cache_dir)
+    text, mmproj = cached_conversion(hf_dir, cache_dir, names,
+                                     lambda paths: _write_pair(src, *paths, "q8_0"))
+    return text, mmproj
+
+
+def _open_qwen3vl(hf_dir: str) -> HFSource:
+    src = HFSource(hf_dir)
+    if src.config.arch != "qwen3vl":
+        raise ModelLoadError(f"{hf_dir}: a {src.config.arch} model, not Qwen3-VL "
+                             "(Qwen3VLForConditionalGeneration)")
+    return src
+
+
+def _write_pair(src: HFSource, text_path: str, mmproj_path: str, outtype: str) -> None:
+    qtype, ftype = OUTTYPES[outtype]
+    vcfg = hf_vision_config(src)
+    if vcfg.temporal_patch != len(PATCH_KERNELS):
+        raise ModelLoadError(f"{src.path}/config.json: temporal_patch_size {vcfg.temporal_patch}; "
+                             f"the mmproj layout holds {len(PATCH_KERNELS)} temporal taps")
     _write(_text_writer(src, text_path, ftype, len(vcfg.deepstack)), _text_tensors(src), qtype)
     _write(_mmproj_writer(src, vcfg, mmproj_path, ftype), _vision_tensors(src, vcfg), qtype)
-    return text_path, mmproj_path
 
 
 def _text_writer(src: HFSource, path: str, ftype, n_deepstack: int) -> gguf.GGUFWriter:

@@ -307,6 +307,17 @@ def _is_vl(hf: dict) -> bool:
     return (hf.get("architectures") or [None])[0] == "Qwen3VLForConditionalGeneration"
 
 
+def is_qwen3vl_dir(path: str) -> bool:
+    """True if the directory's config.json names Qwen3-VL (any fault: False; opening the
+    directory with HFSource reports it)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+        return isinstance(hf, dict) and _is_vl(hf)
+    except (OSError, ValueError):
+        return False
+
+
 def _vl_text_config(hf: dict, config_file: str) -> dict:
     """Qwen3-VL's text_config as a flat Qwen3 config: architectures and tie_word_embeddings
     from the top level, rope_theta and mrope_section out of rope_parameters (transformers 5)

@@ -13,7 +13,7 @@ from typing import Optional
 from ..errors import ModelLoadError
 from .convert import cached_q8_0, find_cached_q8_0
 from .gguf_loader import GGUFSource
-from .hf_loader import HFSource
+from .hf_loader import HFSource, is_qwen3vl_dir
 from .model import LayerWeights, LoadedModel, ModelConfig, ModelWeights, MoEWeights
 
 log = logging.getLogger("kestreld")
@@ -26,10 +26,11 @@ def load_model(path: str, cache_dir: Optional[str] = None,
     With `cache_dir`, a GGUF whose matrices are not all Q8_0 is converted once into a
     cached Q8_0 GGUF there and memory-mapped from it on every later start (fast start,
     weights in place); without it, or if the cache cannot be written, the conversion is
-    done in memory at each load. `mmproj`: llama.cpp's vision projector GGUF that goes with
+    done in memory at each load; a Qwen3-VL Hugging Face directory likewise becomes a cached
+    Q8_0 text GGUF + mmproj pair. `mmproj`: llama.cpp's vision projector GGUF that goes with
     a qwen3vl text GGUF (the vision half of a split Qwen3-VL)."""
     if os.path.isdir(path):
-        source = HFSource(path)
+        source, mmproj = _open_hf_cached(path, cache_dir, mmproj)
     elif os.path.exists(path):
         source = _open_gguf_cached(path, cache_dir)
     else:
@@ -69,6 +70,21 @@ def _vision(source, path: str, mmproj: Optional[str]):
         return None
     from .vision import load_vision
     return load_vision(source)
+
+
+def _open_hf_cached(path: str, cache_dir: Optional[str], mmproj: Optional[str]):
+    """(source, mmproj) of a Hugging Face directory: with cache_dir, a Qwen3-VL one through
+    its cached Q8_0 pair (its bf16 weights would take most of a minute and gigabytes to
+    convert at every start), any other one as it is."""
+    if cache_dir and mmproj is None and is_qwen3vl_dir(path):
+        from .convert_vl import cached_qwen3vl_pair
+        try:
+            text, mmproj = cached_qwen3vl_pair(path, cache_dir)
+            return GGUFSource(text), mmproj
+        except OSError as e:
+            log.warning("cannot cache the Q8_0 conversion in %s (%s); converting in memory",
+                        cache_dir, e)
+    return HFSource(path), mmproj
 
 
 def _open_gguf_cached(path: str, cache_dir: Optional[str]) -> GGUFSource:
