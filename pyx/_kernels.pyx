@@ -1,6 +1,7 @@
 # cython: language_level=3
 # (boundscheck, wraparound, initializedcheck, cdivision: set by setup.py, on under KESTREL_DEBUG=1)
-"""Kestrel's compute kernels: Q8_0 matmul, norms, RoPE, SwiGLU, int8 KV store, attention.
+"""Kestrel's compute kernels: Q8_0 matmul, norms, RoPE, SwiGLU, int8 KV store, attention, and
+the vision encoder's LayerNorm, GELU and full attention.
 
 Every function takes C-contiguous numpy arrays (float = float32), checks their shapes and
 raises ValueError on a mismatch, then computes with the GIL released on `nthreads` OpenMP
@@ -34,3 +35,4 @@ include "elementwise.pxi"
 include "attention.pxi"
 include "moe.pxi"
 include "decode.pxi"
+include "vision.pxi"

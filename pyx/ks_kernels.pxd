@@ -109,3 +109,13 @@ cdef extern from "ks_decode.h" nogil:
     int KS_ATTN_SPLIT_MAX
     void ks_decode_step(const ks_model *M, int token, int pos, int rope_pos, float *logits,
                         int nthreads)
+
+
+cdef extern from "ks_vision.h" nogil:
+    int KS_VATTN_QUERIES
+    void ks_layernorm_row(const float *x, const float *w, const float *b, float eps, float *out,
+                          int64_t d)
+    void ks_gelu(const float *x, float *out, int64_t n, int use_erf)
+    int64_t ks_vattn_scratch_floats(int hd)
+    void ks_vattn_item(const float *q, const float *k, const float *v, float *out, int n,
+                       int heads, int hd, float scale, int h, int t0, int t1, float *scratch)

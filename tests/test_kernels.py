@@ -490,3 +490,135 @@ def test_decode_step_rejects_bad_arguments():
         tr.decode_step.step(0, 0, np.zeros((1, c.vocab + 1), np.float32))
     with pytest.raises(ValueError, match="RoPE position"):
         tr.decode_step.step(0, 0, tr.logits, 256)
+
+
+# ---- the vision encoder's kernels -------------------------------------------------------------
+
+def ref_layernorm(x, w, b, eps):
+    x64 = x.astype(np.float64)
+    xc = x64 - x64.mean(axis=1, keepdims=True)
+    return xc / np.sqrt((xc * xc).mean(axis=1, keepdims=True) + eps) * w + b
+
+
+def ref_gelu(x, use_erf):
+    """In forms without the cancellation of 1 + erf(.) and 1 + tanh(.) in the negative tail,
+    which would leave float64 itself with few correct digits there."""
+    from math import erfc
+    x64 = x.astype(np.float64)
+    if use_erf:
+        return 0.5 * x64 * np.vectorize(erfc)(-x64 / np.sqrt(2))
+    with np.errstate(over="ignore"):                  # exp(inf): the -0 of the far tail
+        return x64 / (1 + np.exp(-2 * np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3)))
+
+
+def ref_full_attention(q, k, v, scale):
+    q64, k64, v64 = (a.astype(np.float64).transpose(1, 0, 2) for a in (q, k, v))   # heads first
+    s = scale * q64 @ k64.transpose(0, 2, 1)
+    p = np.exp(s - s.max(axis=2, keepdims=True))
+    return ((p / p.sum(axis=2, keepdims=True)) @ v64).transpose(1, 0, 2)
+
+
+@pytest.mark.parametrize("n,d,offset", [(1, 1024, 0.0), (67, 4096, 0.0), (5, 13, 0.0),
+                                        (9, 1152, 40.0)])
+def test_layernorm(n, d, offset):
+    """Against float64, also with a large row mean (two passes keep the variance's digits)."""
+    rng = np.random.default_rng(n + d)
+    x = (rng.standard_normal((n, d)) * 3 + offset).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    b = rng.standard_normal(d).astype(np.float32)
+    out = np.empty_like(x)
+    K.layernorm(x, w, b, 1e-6, out, 2)
+    assert report(f"layernorm ({n}, {d}) offset {offset}", out, ref_layernorm(x, w, b, 1e-6)) < 2e-6
+    one = np.empty_like(x)
+    K.layernorm(x, w, b, 1e-6, one, 1)
+    np.testing.assert_array_equal(one, out)
+    inplace = x.copy()
+    K.layernorm(inplace, w, b, 1e-6, inplace, 2)      # out aliases x
+    np.testing.assert_array_equal(inplace, out)
+    with pytest.raises(ValueError, match="w and b must have"):
+        K.layernorm(x, w, b[:-1], 1e-6, out, 1)
+    with pytest.raises(ValueError, match="out must be"):
+        K.layernorm(x, w, b, 1e-6, out[:, :-1].copy(), 1)
+
+
+@pytest.mark.parametrize("use_erf", [False, True], ids=["tanh", "erf"])
+def test_gelu(use_erf):
+    """To a relative 2e-6 of float64 where |gelu| >= 1e-3, and 2e-5 down the negative tail to
+    1e-36 (there the input's own rounding is amplified ~x^2 times); a row length that is no
+    multiple of 8 or of the work chunk."""
+    rng = np.random.default_rng(int(use_erf))
+    x = (rng.standard_normal((3, 5003)) * 3).astype(np.float32)
+    x[0, :9] = [-100.0, 100.0, 0.0, -0.0, -9.0, -5.5, -4.0, 1e-20, -1e-20]
+    x[1] = np.linspace(-12, 12, x.shape[1], dtype=np.float32)
+    gelu = K.gelu_erf if use_erf else K.gelu_tanh
+    out = np.empty_like(x)
+    gelu(x, out, 2)
+    want = ref_gelu(x, use_erf)
+    main = np.abs(want) >= 1e-3
+    rel = np.abs(out - want)[main] / np.abs(want[main])
+    print(f"gelu {'erf' if use_erf else 'tanh'}: max relative error {rel.max():.3e} where >= 1e-3")
+    assert rel.max() < 2e-6
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=1e-36)
+    one = np.empty_like(x)
+    gelu(x, one, 1)
+    np.testing.assert_array_equal(one, out)
+    inplace = x.copy()
+    gelu(inplace, inplace, 2)                          # out aliases x
+    np.testing.assert_array_equal(inplace, out)
+    with pytest.raises(ValueError, match="out must be"):
+        gelu(x, out[:2], 1)
+
+
+def run_full_attention(q, k, v, scale, nthreads):
+    out = np.full_like(q, np.nan)
+    K.full_attention(q, k, v, scale, out, nthreads)
+    return out
+
+
+@pytest.mark.parametrize("n,heads,hd", [
+    (1, 1, 64),          # one patch: the output is its value row
+    (37, 3, 64),         # one partial key block, one partial query tile
+    (300, 2, 80),        # several key blocks and query tiles, none full at the end; 5 strips
+    (129, 4, 128),       # one key past a block, one query past two tiles
+    (196, 16, 64),       # Qwen3-VL-2B heads, a 14 x 14 patch image
+    (70, 2, 72),         # Qwen3-VL-8B's head_dim, padded to 80
+    (50, 2, 20),         # a head_dim under one strip
+])
+def test_full_attention_against_float64(n, heads, hd):
+    rng = np.random.default_rng(n * heads + hd)
+    q, k, v = (rng.standard_normal((n, heads, hd)).astype(np.float32) for _ in range(3))
+    q *= 3                                             # peaked softmax rows, not near-uniform ones
+    scale = hd ** -0.5
+    out = run_full_attention(q, k, v, scale, 2)
+    rel = report(f"full_attention n={n} heads={heads} hd={hd}", out, ref_full_attention(q, k, v, scale))
+    assert rel < 1e-5
+    np.testing.assert_array_equal(out, run_full_attention(q, k, v, scale, 1))
+    np.testing.assert_array_equal(out, run_full_attention(q, k, v, scale, 3))
+
+
+def test_full_attention_sees_every_key_and_no_other_head():
+    """A key far ahead of or behind a query gets its weight (not causal); changing one head's
+    keys changes that head's output only."""
+    rng = np.random.default_rng(4)
+    n, heads, hd = 260, 3, 32
+    q, k, v = (rng.standard_normal((n, heads, hd)).astype(np.float32) for _ in range(3))
+    k[-1, 1] = q[0, 1] * 50                            # query 0 of head 1 looks at the last key
+    k[0, 2] = q[-1, 2] * 50                            # the last query of head 2 at the first
+    out = run_full_attention(q, k, v, 1.0, 2)
+    np.testing.assert_allclose(out[0, 1], v[-1, 1], atol=1e-6)
+    np.testing.assert_allclose(out[-1, 2], v[0, 2], atol=1e-6)
+    k2 = k.copy()
+    k2[:, 0] = rng.standard_normal((n, hd))
+    out2 = run_full_attention(q, k2, v, 1.0, 2)
+    assert not np.array_equal(out2[:, 0], out[:, 0])
+    np.testing.assert_array_equal(out2[:, 1:], out[:, 1:])
+
+
+def test_full_attention_rejects_bad_arguments():
+    q = np.zeros((4, 2, 16), np.float32)
+    with pytest.raises(ValueError, match=r"k must be \(4, 2, 16\) like q"):
+        K.full_attention(q, np.zeros((4, 2, 8), np.float32), q, 1.0, q.copy(), 1)
+    with pytest.raises(ValueError, match="out must be"):
+        K.full_attention(q, q, q, 1.0, np.zeros((3, 2, 16), np.float32), 1)
+    with pytest.raises(ValueError, match="nthreads"):
+        K.full_attention(q, q, q, 1.0, q.copy(), 0)
