@@ -256,6 +256,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="Kestrel prefill chunk (default: the engine's)")
     p.add_argument("--no-startup", action="store_true", help="skip the start-up / RSS probes")
+    p.add_argument("--cases", default="",
+                   help="only the cases whose name contains this text (e.g. decode)")
     p.add_argument("--probe", choices=["kestrel", "llama.cpp"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--n-batch", type=int, help=argparse.SUPPRESS)
@@ -272,7 +274,10 @@ def main(argv=None) -> int:
     if args.probe:
         probe(args.probe, args.model, args, args.n_batch)
         return 0
-    cases = QUICK_CASES if args.quick else FULL_CASES
+    cases = [c for c in (QUICK_CASES if args.quick else FULL_CASES) if args.cases in c.name]
+    if not cases:
+        print(f"no case name contains {args.cases!r}", file=sys.stderr)
+        return 2
     # llama.cpp takes each prompt in one batch, as big as the largest prompt.
     n_batch = max(c.prompt_len for c in cases)
     if n_batch >= args.max_seq:

@@ -140,11 +140,22 @@ KS_INLINE int32x4_t ks_hsum4x4_neon(int32x4_t p0, int32x4_t p1, int32x4_t p2, in
 }
 #endif
 
+/* Asks for the n bytes at p in cache (a hint: never faults, changes no result). Decode reads
+ * each weight once: a single thread's demand misses alone keep too few lines in flight to
+ * stream from DRAM (7.3 GB/s a core here); asking for the next tile while this one is
+ * computed gives 10.8 (21.6 GB/s on 2 cores). */
+static inline void ks_prefetch_rows(const uint8_t *p, int64_t n)
+{
+    for (int64_t o = 0; o < n; o += 64)
+        __builtin_prefetch(p + o, 0, 3);
+}
+
 /* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2. Rows >= rv
  * / tokens >= tv repeat the last valid one (their lanes are computed and dropped), so edges
  * need no second loop. */
 KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_stride, int rv,
-                          const int8_t *x, const float *xd, int tv, int nb, float res[8])
+                          const int8_t *x, const float *xd, int tv, int nb, float res[8],
+                          const uint8_t *pf, int64_t pf_step)
 {
     const uint8_t *wp[8];
     const int8_t *xp[8];
@@ -161,6 +172,8 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
     for (int b = 0; b < nb; b++) {
         __m256i wv[8], aw[8], xv[8], p[8];
         uint16_t h[8];
+        if (pf)
+            ks_prefetch_rows(pf + b * pf_step, pf_step);
         for (int i = 0; i < R; i++) {
             wv[i] = _mm256_loadu_si256((const __m256i *)(wp[i] + b * KS_QBLOCK + 2));
             aw[i] = _mm256_sign_epi8(wv[i], wv[i]);
@@ -186,6 +199,8 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
 #else /* NEON: lanes 0-3 and 4-7 are two float32x4; R >= 4, so each half has one token */
     float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
     for (int b = 0; b < nb; b++) {
+        if (pf)
+            ks_prefetch_rows(pf + b * pf_step, pf_step);
         int8x16_t w0[8], w1[8], x0[8], x1[8];
         int32x4_t p[8];
         uint64_t h[8];
@@ -367,16 +382,6 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_st
 }
 #endif
 
-/* Asks for the n bytes at p in cache (a hint: never faults, changes no result). Decode reads
- * each weight once: a single thread's demand misses alone keep too few lines in flight to
- * stream from DRAM (7.3 GB/s a core here); asking for the next tile while this one is
- * computed gives 10.8 (21.6 GB/s on 2 cores). */
-static inline void ks_prefetch_rows(const uint8_t *p, int64_t n)
-{
-    for (int64_t o = 0; o < n; o += 64)
-        __builtin_prefetch(p + o, 0, 3);
-}
-
 /* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: tiles
  * of 4 rows x 2 tokens, so each weight block loaded feeds 2 tokens and each activation block
  * 4 rows. */
@@ -388,8 +393,10 @@ static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *
     if (n == 1) {
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
-            ks_prefetch_rows(w + (int64_t)(r + 8) * w_stride, 8 * w_stride);
-            ks_q8_tile(8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, 1, nb, res);
+            /* the next tile of this matrix (an MoE expert's ends here), a slice per block */
+            const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
+            ks_q8_tile(8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, 1, nb, res,
+                       next, 8 * w_stride / nb);
             ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
         }
         return;
@@ -407,7 +414,7 @@ static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *
             for (int t = tb; t < te; t += 2) {
                 const int tv = te - t < 2 ? te - t : 2;
                 ks_q8_tile(4, 2, w + (int64_t)r * w_stride, w_stride, rv,
-                           xq + (int64_t)t * k, xd + (int64_t)t * nb, tv, nb, res);
+                           xq + (int64_t)t * k, xd + (int64_t)t * nb, tv, nb, res, NULL, 0);
                 ks_q8_store_tile(4, 2, res, out, m, r, rv, t, tv);
             }
         }
