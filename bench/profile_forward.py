@@ -5,7 +5,7 @@
 
 Wraps every function of kestreld._kernels with a timer (the wrapper adds ~0.3 us per call,
 so tiny kernels look slightly slower than they are) and prints the totals, largest first.
-Decode of a dense model is one DecodeStep.step per token (all layers in C): it shows as one line.
+Decode is one DecodeStep.step per token (all layers in C, MoE included): it shows as one line.
 """
 from __future__ import annotations
 
@@ -81,8 +81,7 @@ def main() -> int:
         tr.forward(ids[p0:min(max(args.depth, 1), p0 + chunk)], p0)
     totals = defaultdict(lambda: [0.0, 0])
     instrument(totals)
-    if tr.decode_step is not None:
-        tr.decode_step = TimedStep(tr.decode_step, totals)
+    tr.decode_step = TimedStep(tr.decode_step, totals)
     t0 = time.perf_counter()
     if args.prefill:
         tr.forward(ids[args.depth:args.depth + args.prefill], args.depth)

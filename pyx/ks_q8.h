@@ -142,8 +142,10 @@ KS_INLINE int32x4_t ks_hsum4x4_neon(int32x4_t p0, int32x4_t p1, int32x4_t p2, in
 
 /* Asks for the n bytes at p in cache (a hint: never faults, changes no result). Decode reads
  * each weight once: a single thread's demand misses alone keep too few lines in flight to
- * stream from DRAM (7.3 GB/s a core here); asking for the next tile while this one is
- * computed gives 10.8 (21.6 GB/s on 2 cores). */
+ * stream from DRAM (7.3 GB/s a core here). The decode tile asks, block by block, for its
+ * slice of the next tile, so the requests are spread over the computation (all of the next
+ * tile up front stalls on the fill buffers): decode steps 11.3 -> 8.3 ms (SmolLM2) and
+ * 50 -> 35 ms (Qwen3-0.6B shape) on 2 threads. */
 static inline void ks_prefetch_rows(const uint8_t *p, int64_t n)
 {
     for (int64_t o = 0; o < n; o += 64)
@@ -152,7 +154,7 @@ static inline void ks_prefetch_rows(const uint8_t *p, int64_t n)
 
 /* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2. Rows >= rv
  * / tokens >= tv repeat the last valid one (their lanes are computed and dropped), so edges
- * need no second loop. */
+ * need no second loop. pf (or NULL): block b prefetches pf + b * pf_step, pf_step bytes. */
 KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_stride, int rv,
                           const int8_t *x, const float *xd, int tv, int nb, float res[8],
                           const uint8_t *pf, int64_t pf_step)
