@@ -194,6 +194,19 @@ class GGUFFile:
                                  f"got {got}, want {tuple(shape)}")
         return np.array(dequantize_gguf(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
 
+    def q8_matrix(self, name: str, rows: int, cols: int) -> Q8Matrix:
+        """The (rows, cols) matrix `name` as Q8_0 (in place when the file holds Q8_0)."""
+        t = self._tensor(name)
+        got = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions fastest first
+        if got != (rows, cols):
+            raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
+                                 f"got {got}, want {(rows, cols)}")
+        if cols % Q8_BLOCK:
+            raise ModelLoadError(f"{self.path}: tensor {name} has {cols} columns, "
+                                 f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
+        data = np.asarray(t.data).reshape(rows, -1)
+        return Q8Matrix(gguf_to_q8_0(data, t.tensor_type), rows, cols)
+
 
 class GGUFSource(GGUFFile):
     """An opened GGUF model: its config, tokenizer, template and tensor accessors."""
@@ -306,17 +319,7 @@ class GGUFSource(GGUFFile):
 
     def matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Q8Matrix:
         """The (rows, cols) matrix for `role` as Q8_0 (in place when the file holds Q8_0)."""
-        name = self.name(role, layer)
-        t = self._tensor(name)
-        got = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions fastest first
-        if got != (rows, cols):
-            raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
-                                 f"got {got}, want {(rows, cols)}")
-        if cols % Q8_BLOCK:
-            raise ModelLoadError(f"{self.path}: tensor {name} has {cols} columns, "
-                                 f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
-        data = np.asarray(t.data).reshape(rows, -1)
-        return Q8Matrix(gguf_to_q8_0(data, t.tensor_type), rows, cols)
+        return self.q8_matrix(self.name(role, layer), rows, cols)
 
     def experts(self, role: str, layer: int, n_expert: int, rows: int, cols: int) -> Q8Experts:
         """The stacked (n_expert, rows, cols) expert matrices for `role` as Q8_0 (in place,

@@ -31,6 +31,7 @@ import numpy as np
 from ..errors import ModelLoadError
 from .gguf_loader import GGUFFile
 from .images import ImageSpec
+from .model import Q8Matrix
 from .vision import VISUAL, VisionConfig, VisionEncoder, check_vision_config
 
 PROJECTOR_TYPE = "qwen3vl_merger"      # gguf VisionProjectorType.QWEN3VL
@@ -84,7 +85,10 @@ def load_mmproj(path: str, text) -> VisionEncoder:
             return np.stack([f.tensor_f32(k, tap) for k in PATCH_KERNELS], axis=2)
         return f.tensor_f32(names[name], shape)
 
-    return VisionEncoder(c, get)
+    def get_q8(name: str, shape: tuple) -> Q8Matrix:   # a Q8_0 mmproj's blocks: in place
+        return f.q8_matrix(names[name], *shape)
+
+    return VisionEncoder(c, get, get_q8)
 
 
 def _vision_config(f: GGUFFile, text) -> VisionConfig:

@@ -61,13 +61,13 @@ class VisionConfig:
 
 
 class _Linear:
-    """y = x @ W.T + b, W (out, in): on the Q8_0 kernel, or float32 BLAS."""
+    """y = x @ W.T + b, W (out, in): on the Q8_0 kernel (W a Q8Matrix), or float32 BLAS."""
 
-    def __init__(self, w: np.ndarray, b: np.ndarray, q8: bool):
-        self.rows, self.cols = w.shape
+    def __init__(self, w, b: np.ndarray):
         self.b = np.ascontiguousarray(b, np.float32)
-        self.q8 = Q8Matrix(float_to_q8_0(w), self.rows, self.cols) if q8 else None
-        self.wt = None if q8 else np.ascontiguousarray(w.T, np.float32)
+        self.q8 = w if isinstance(w, Q8Matrix) else None
+        self.rows, self.cols = (w.rows, w.cols) if self.q8 is not None else w.shape
+        self.wt = None if self.q8 is not None else np.ascontiguousarray(w.T, np.float32)
 
     def __call__(self, x: np.ndarray, out: np.ndarray, scratch: _Scratch, threads: int) -> np.ndarray:
         """out (n, rows) = x (n, cols) @ W.T + b; returns out."""
@@ -114,9 +114,9 @@ class _Merger:
         self.postshuffle, self.wide = postshuffle, wide
         self.norm_w, self.norm_b = get(prefix + "norm.weight", (norm_n,)), get(prefix + "norm.bias", (norm_n,))
         self.fc1 = _Linear(get(prefix + "linear_fc1.weight", (wide, wide)),
-                           get(prefix + "linear_fc1.bias", (wide,)), q8=False)
+                           get(prefix + "linear_fc1.bias", (wide,)))
         self.fc2 = _Linear(get(prefix + "linear_fc2.weight", (c.out_hidden, wide)),
-                           get(prefix + "linear_fc2.bias", (c.out_hidden,)), q8=False)
+                           get(prefix + "linear_fc2.bias", (c.out_hidden,)))
 
     def __call__(self, x: np.ndarray, s: _Scratch, threads: int) -> np.ndarray:
         """(n / merge^2, out_hidden) embeddings of x (n, hidden), a new array."""
@@ -132,14 +132,23 @@ class _Merger:
 class VisionEncoder:
     """The loaded vision tower of a Qwen3-VL model. `encode` is called on the engine thread."""
 
-    def __init__(self, c: VisionConfig, get):
-        """`get(name, shape)` returns a float32 tensor of the model directory."""
+    def __init__(self, c: VisionConfig, get, get_q8=None):
+        """`get(name, shape)` returns a float32 tensor (by its Hugging Face name);
+        `get_q8(name, shape)` a block linear's weight as a Q8Matrix (a Q8_0 mmproj's in
+        place; by default `get`'s float32, quantized here)."""
         self.cfg = c
         H, p = c.hidden, c.patch
+        if get_q8 is None:
+            def get_q8(name, shape):
+                return Q8Matrix(float_to_q8_0(get(name, shape)), *shape)
+
+        def block_linear(name, rows, cols):
+            return _Linear(get_q8(name + ".weight", (rows, cols)), get(name + ".bias", (rows,)))
+
         conv = get(VISUAL + "patch_embed.proj.weight", (H, 3, c.temporal_patch, p, p))
         # The processor repeats the frame over the temporal taps: sum them once here.
         self.patch_embed = _Linear(conv.sum(axis=2).reshape(H, 3 * p * p),
-                                   get(VISUAL + "patch_embed.proj.bias", (H,)), q8=False)
+                                   get(VISUAL + "patch_embed.proj.bias", (H,)))
         self.pos_embed = get(VISUAL + "pos_embed.weight", (c.pos_side * c.pos_side, H))
         self.blocks = []
         for i in range(c.depth):
@@ -147,12 +156,10 @@ class VisionEncoder:
             self.blocks.append(dict(
                 norm1=(get(b + "norm1.weight", (H,)), get(b + "norm1.bias", (H,))),
                 norm2=(get(b + "norm2.weight", (H,)), get(b + "norm2.bias", (H,))),
-                qkv=_Linear(get(b + "attn.qkv.weight", (3 * H, H)), get(b + "attn.qkv.bias", (3 * H,)), True),
-                proj=_Linear(get(b + "attn.proj.weight", (H, H)), get(b + "attn.proj.bias", (H,)), True),
-                fc1=_Linear(get(b + "mlp.linear_fc1.weight", (c.ffn, H)),
-                            get(b + "mlp.linear_fc1.bias", (c.ffn,)), True),
-                fc2=_Linear(get(b + "mlp.linear_fc2.weight", (H, c.ffn)),
-                            get(b + "mlp.linear_fc2.bias", (H,)), True),
+                qkv=block_linear(b + "attn.qkv", 3 * H, H),
+                proj=block_linear(b + "attn.proj", H, H),
+                fc1=block_linear(b + "mlp.linear_fc1", c.ffn, H),
+                fc2=block_linear(b + "mlp.linear_fc2", H, c.ffn),
             ))
         self.merger = _Merger(get, VISUAL + "merger.", c, postshuffle=False)
         self.deepstack_mergers = [_Merger(get, f"{VISUAL}deepstack_merger_list.{j}.", c, True)
