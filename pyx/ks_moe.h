@@ -4,23 +4,7 @@
 #ifndef KS_MOE_H
 #define KS_MOE_H
 
-#include "ks_common.h"
-
-/* a . b over d floats. 8 partial sums: they vectorize and add less rounding than one sum. */
-static inline float ks_dot_f32(const float *a, const float *b, int64_t d)
-{
-    float part[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= d; i += 8)
-        for (int j = 0; j < 8; j++)
-            part[j] += a[i + j] * b[i + j];
-    for (; i < d; i++)
-        part[0] += a[i] * b[i];
-    float s = 0.0f;
-    for (int j = 0; j < 8; j++)
-        s += part[j];
-    return s;
-}
+#include "ks_rows.h"
 
 /* probs (n_exp) holds the router logits; turns them into their softmax, and picks the k most
  * probable experts: idx (k) most probable first (ties: lower index first), w (k) their

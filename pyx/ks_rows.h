@@ -1,26 +1,31 @@
-/* Kestrel kernels: the per-row float kernels (RMSNorm, RoPE, scaled add), shared by the per-op Python
- * entry points and the fused decode step (no Python here). */
+/* Kestrel kernels: the per-row float kernels (dot product, RMSNorm, RoPE, scaled add), shared
+ * by the per-op Python entry points and the fused decode step (no Python here). */
 #ifndef KS_ROWS_H
 #define KS_ROWS_H
 
 #include "ks_common.h"
 
-/* out (d) = x / sqrt(mean(x^2) + eps) * w; out may be x. 8 partial sums: they vectorize and
- * add less rounding than one sum. */
-static inline void ks_rmsnorm_row(const float *x, const float *w, float eps, float *out, int64_t d)
+/* a . b over d floats. 8 partial sums: they vectorize and add less rounding than one sum. */
+static inline float ks_dot_f32(const float *a, const float *b, int64_t d)
 {
     float part[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= d; i += 8)
         for (int j = 0; j < 8; j++)
-            part[j] += x[i + j] * x[i + j];
+            part[j] += a[i + j] * b[i + j];
     for (; i < d; i++)
-        part[0] += x[i] * x[i];
-    float ss = 0.0f;
+        part[0] += a[i] * b[i];
+    float s = 0.0f;
     for (int j = 0; j < 8; j++)
-        ss += part[j];
-    const float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    for (i = 0; i < d; i++)
+        s += part[j];
+    return s;
+}
+
+/* out (d) = x / sqrt(mean(x^2) + eps) * w; out may be x. */
+static inline void ks_rmsnorm_row(const float *x, const float *w, float eps, float *out, int64_t d)
+{
+    const float inv = 1.0f / sqrtf(ks_dot_f32(x, x, d) / (float)d + eps);
+    for (int64_t i = 0; i < d; i++)
         out[i] = x[i] * inv * w[i];
 }
 

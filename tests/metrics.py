@@ -31,3 +31,13 @@ def margin_top1_agreement(logits: np.ndarray, ref: np.ndarray, margin: float = 0
         return 1.0, 0
     agree = np.argmax(logits, axis=-1)[decided] == np.argmax(ref, axis=-1)[decided]
     return float(agree.mean()), count
+
+
+def assert_logits_agree(logits: np.ndarray, ref: np.ndarray, max_rel: float, min_agree: float,
+                        min_count: int) -> None:
+    """The dense engine's bars: rel_rms_error <= max_rel, and margin_top1_agreement >=
+    min_agree over at least min_count decided positions."""
+    rel = rel_rms_error(logits, ref)
+    agree, count = margin_top1_agreement(logits, ref)
+    assert count >= min_count, (rel, agree, count)
+    assert rel <= max_rel and agree >= min_agree, (rel, agree, count)

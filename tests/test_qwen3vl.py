@@ -26,7 +26,7 @@ from kestreld.engine.loader import load_model
 from kestreld.engine.qwen3vl import MRopeTables, build_prompt
 from kestreld.errors import BadRequest, PermissionDenied
 from kestreld.protocol import validate_params
-from metrics import margin_top1_agreement, rel_rms_error
+from metrics import assert_logits_agree
 
 MAX_REL = 0.03
 MIN_AGREE = 0.99
@@ -104,10 +104,7 @@ def test_text_only_logits_match_transformers(vl):
     got = Engine(vl["model"], max_seq=320, threads=2).forward_logits(ids)
     with vl["torch"].no_grad():
         exact = vl["ref"](vl["torch"].tensor([ids])).logits[0].double().numpy()
-    rel = rel_rms_error(got, exact)
-    agree, count = margin_top1_agreement(got, exact)
-    assert count >= 128
-    assert rel <= MAX_REL and agree >= MIN_AGREE, (rel, agree)
+    assert_logits_agree(got, exact, MAX_REL, MIN_AGREE, 128)
 
 
 # ---------------------------------------------------------------- images
@@ -161,10 +158,7 @@ def test_logits_with_images_match_transformers(vl, n_images):
     np.testing.assert_array_equal(vp.positions, positions[:, 0].numpy())
     after = np.arange(len(full)) >= vp.spans[0][1]     # text positions after the first image
     after &= np.asarray(full) != vcfg.image_token_id
-    rel = rel_rms_error(got[after], exact[after])
-    agree, count = margin_top1_agreement(got[after], exact[after])
-    assert count >= 50
-    assert rel <= MAX_REL and agree >= MIN_AGREE, (rel, agree)
+    assert_logits_agree(got[after], exact[after], MAX_REL, MIN_AGREE, 50)
 
 
 QUESTION = "Describe the picture in a few words."

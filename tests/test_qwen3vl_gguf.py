@@ -28,7 +28,7 @@ from kestreld.engine.images import decode_image, preprocess
 from kestreld.engine.loader import load_model
 from kestreld.engine.mmproj import PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
 from kestreld.errors import BadRequest, ModelLoadError
-from metrics import margin_top1_agreement, rel_rms_error
+from metrics import assert_logits_agree
 
 MAX_REL = 0.03
 MIN_AGREE = 0.99
@@ -107,10 +107,7 @@ def test_text_logits_equal_the_hf_dir_and_match_transformers(vl):
     np.testing.assert_array_equal(got, hf)
     with vl["torch"].no_grad():
         exact = vl["ref"](vl["torch"].tensor([ids])).logits[0].double().numpy()
-    rel = rel_rms_error(got, exact)
-    agree, count = margin_top1_agreement(got, exact)
-    assert count >= 128
-    assert rel <= MAX_REL and agree >= MIN_AGREE, (rel, agree)
+    assert_logits_agree(got, exact, MAX_REL, MIN_AGREE, 128)
 
 
 def test_text_gguf_without_mmproj_is_text_only(vl, caplog):
@@ -155,9 +152,7 @@ def test_an_hf_dir_with_a_cache_dir_loads_its_cached_q8_0_pair(vl, tmp_path, cap
     got = Engine(again, max_seq=320, threads=2).forward_logits(ids, 0)
     with vl["torch"].no_grad():
         exact = vl["ref"](input_ids=vl["torch"].tensor([ids])).logits[0].double().numpy()
-    rel = rel_rms_error(got, exact)
-    agree, count = margin_top1_agreement(got, exact)
-    assert rel <= MAX_REL and agree >= MIN_AGREE and count >= 128, (rel, agree, count)
+    assert_logits_agree(got, exact, MAX_REL, MIN_AGREE, 128)
 
     cfg = gen.dir / "config.json"
     st = cfg.stat()
