@@ -3,7 +3,7 @@
     .venv/bin/python bench/mmproj_vs_mtmd.py            # needs llama-cpp-python (with libmtmd)
 
 Generates the small random Qwen3-VL of tests/modelgen_vl.py, writes its text GGUF + mmproj
-GGUF pair with kestreld.engine.convert_vl (F32), then encodes one image twice:
+GGUF pair with kestreld.model.convert_vl (F32), then encodes one image twice:
 
   - llama.cpp: llama-cpp-python's mtmd (tools/mtmd: clip.cpp, PROJECTOR_TYPE_QWEN3VL) loads
     the pair; mtmd_encode_chunk on the image chunk of "<__media__>"; its output rows are
@@ -89,9 +89,9 @@ def main() -> int:
     from PIL import Image
 
     import modelgen_vl
-    from kestreld.engine.convert_vl import convert_qwen3vl
-    from kestreld.engine.images import decode_image, preprocess
-    from kestreld.engine.loader import load_model
+    from kestreld.model.convert_vl import convert_qwen3vl
+    from kestreld.vision.images import decode_image, preprocess
+    from kestreld.model.load import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         gen = modelgen_vl.generate(os.path.join(tmp, "Qwen3-VL-tiny"))

@@ -22,9 +22,9 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import qwen3_shaped_q8_0_path
 
-from kestreld.config import default_cache_dir
+from kestreld.service.config import default_cache_dir
 from kestreld.engine import forward as fwd
-from kestreld.engine.convert import smollm2_q8_0_path
+from kestreld.model.convert import smollm2_q8_0_path
 
 
 def instrument(totals: dict) -> None:
@@ -69,7 +69,7 @@ def main() -> int:
     cache = default_cache_dir(os.environ)
     path = smollm2_q8_0_path(cache) if args.model == "smollm2" else qwen3_shaped_q8_0_path(cache)
     from kestreld.engine.generate import Engine
-    from kestreld.engine.loader import load_model
+    from kestreld.model.load import load_model
     model = load_model(path)
     chunk = max(256, args.prefill)
     eng = Engine(model, max_seq=max(1024, args.depth + args.steps + chunk + 2),

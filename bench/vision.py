@@ -22,7 +22,7 @@ first request is a prefix miss (asserted), and runs in the in-process `Engine`:
 The median of `--reps` repetitions is reported, after one warm-up request that pages the
 weights in; RSS after load, after that first request and after the first prefix hit.
 
-There is no llama.cpp column yet (kestreld.engine.convert_vl could write the text GGUF +
+There is no llama.cpp column yet (kestreld.model.convert_vl could write the text GGUF +
 mmproj pair llama.cpp needs; bench/mmproj_vs_mtmd.py compares the two engines' image
 embeddings on a small model).
 """
@@ -48,7 +48,7 @@ sys.path.insert(2, os.path.join(ROOT, "tests"))   # modelgen_vl: the chat templa
 from common import rss_mb, synthetic_qwen_vocab
 from modelgen_vl import CHAT_TEMPLATE, test_image
 
-from kestreld.config import default_cache_dir
+from kestreld.service.config import default_cache_dir
 
 # Qwen's special tokens at their real ids (tokenizer.json of Qwen3-VL).
 SPECIAL_IDS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>",
@@ -282,7 +282,7 @@ def question(image: bytes, text: str) -> list:
 
 def preprocess_ms(engine, image: bytes) -> tuple[float, float]:
     """(decode ms, preprocess ms) of one encoded image, as chat_prompt does them."""
-    from kestreld.engine.images import decode_image, preprocess
+    from kestreld.vision.images import decode_image, preprocess
     t0 = time.perf_counter()
     rgb = decode_image(image)
     t1 = time.perf_counter()
@@ -371,8 +371,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from kestreld.engine.generate import Engine
-    from kestreld.engine.convert_vl import cached_qwen3vl_pair
-    from kestreld.engine.loader import load_model
+    from kestreld.model.convert_vl import cached_qwen3vl_pair
+    from kestreld.model.load import load_model
 
     shapes = QWEN3VL_SMALL if args.small else QWEN3VL_2B
     cache = default_cache_dir(os.environ)

@@ -40,8 +40,8 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import (copy_bandwidth, cpu_has_amx, open_llama, qwen3_shaped_q8_0_path,
                     qwen3moe_shaped_q8_0_path, rss_mb, weight_bytes_per_token)
 
-from kestreld.config import default_cache_dir
-from kestreld.engine.convert import smollm2_q8_0_path
+from kestreld.service.config import default_cache_dir
+from kestreld.model.convert import smollm2_q8_0_path
 
 LLAMA_CPP_VERSION = "0.3.36"   # the version tests/golden was recorded with
 PROBE_PROMPT = 512
@@ -80,7 +80,7 @@ class KestrelRunner:
 
     def __init__(self, path: str, threads: int, max_seq: int, prefill_chunk: int = 0):
         from kestreld.engine.generate import Engine
-        from kestreld.engine.loader import load_model
+        from kestreld.model.load import load_model
         model = load_model(path)
         self.vocab = model.config.vocab
         extra = {"prefill_chunk": prefill_chunk} if prefill_chunk else {}

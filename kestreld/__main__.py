@@ -1,6 +1,6 @@
 """`python -m kestreld`: the daemon."""
 import sys
 
-from .main import main
+from .service.main import main
 
 sys.exit(main())

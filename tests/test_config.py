@@ -1,10 +1,10 @@
-"""kestreld.config: priorities (argv > env > file > defaults), parsing, validation."""
+"""kestreld.service.config: priorities (argv > env > file > defaults), parsing, validation."""
 from __future__ import annotations
 
 import pytest
 
 from kestreld import protocol
-from kestreld.config import Config, DEFAULT_SOCKET, load_config, read_config_file
+from kestreld.service.config import Config, DEFAULT_SOCKET, load_config, read_config_file
 
 
 def test_defaults_without_file_or_env(tmp_path):
@@ -59,7 +59,7 @@ def test_cli_flags_for_daemon_options(tmp_path):
 
 
 def test_performance_cores_picks_the_big_cores(tmp_path):
-    from kestreld.config import performance_cores
+    from kestreld.service.config import performance_cores
     for cpu, cap in enumerate([446] * 4 + [1024] * 4):          # RK3588: 4x A55, 4x A76
         d = tmp_path / f"cpu{cpu}"
         d.mkdir()

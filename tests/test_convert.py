@@ -1,12 +1,12 @@
-"""kestreld.engine.convert: metadata kept, matrices in Q8_0, deterministic, cached once."""
+"""kestreld.model.convert: metadata kept, matrices in Q8_0, deterministic, cached once."""
 import os
 
 import gguf
 import numpy as np
 import pytest
 
-from kestreld.config import default_cache_dir
-from kestreld.engine import convert
+from kestreld.service.config import default_cache_dir
+from kestreld.model import convert
 from kestreld.errors import ModelLoadError
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

@@ -19,7 +19,7 @@ from kestreld.engine.arena import KVArena
 from kestreld.engine.diskkv import (HEADER_SIZE, DiskKV, Header, KVLayout, file_size,
                                     model_identity)
 from kestreld.engine.generate import Engine, SamplingOptions
-from kestreld.engine.loader import load_model
+from kestreld.model.load import load_model
 from kestreld.errors import StartupError
 from modelgen import prompt_ids
 

@@ -20,7 +20,7 @@ import pytest
 
 import reference
 from kestreld.engine.generate import Engine, SamplingOptions
-from kestreld.engine.loader import load_model
+from kestreld.model.load import load_model
 from metrics import margin_top1_agreement, rel_rms_error
 from modelgen import SPECS, prompt_ids
 

@@ -3,7 +3,7 @@ chunking, streaming, prefix reuse, stop strings, limits, cancel and errors."""
 import pytest
 
 from kestreld.engine.generate import Engine, SamplingOptions, StopMatcher
-from kestreld.engine.loader import load_model
+from kestreld.model.load import load_model
 from kestreld.errors import BadRequest, PromptTooLong
 from modelgen import prompt_ids
 

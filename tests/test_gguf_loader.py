@@ -8,9 +8,9 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf import quants as gq
 
-from kestreld.engine.gguf_loader import open_gguf
-from kestreld.engine.loader import load_model
-from kestreld.engine.quant import dequantize_q8_0
+from kestreld.model.gguf_file import open_gguf
+from kestreld.model.load import load_model
+from kestreld.model.quant import dequantize_q8_0
 from kestreld.errors import ModelLoadError
 from _loader_models import Spec, random_weights, smollm2_gguf, write_gguf
 

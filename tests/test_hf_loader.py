@@ -7,9 +7,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from kestreld.engine.hf_loader import read_safetensors
-from kestreld.engine.loader import load_model
-from kestreld.engine.quant import bf16_to_f32
+from kestreld.model.hf_dir import read_safetensors
+from kestreld.model.load import load_model
+from kestreld.model.quant import bf16_to_f32
 from kestreld.errors import ModelLoadError
 from _loader_models import (CHATML, Spec, random_weights, write_hf_dir, write_safetensors)
 

@@ -418,7 +418,8 @@ def test_attention_rejects_bad_arguments():
 def tiny_model(rng, qwen):
     """A random dense model (Qwen3-like: q/k norms, NeoX RoPE, untied; else Llama-like)."""
     from types import SimpleNamespace
-    from kestreld.engine.model import LayerWeights, ModelConfig, ModelWeights, Q8Matrix
+    from kestreld.model.config import ModelConfig
+    from kestreld.model.weights import LayerWeights, ModelWeights, Q8Matrix
     hidden, n_heads, n_kv, hd, ffn, vocab = 128, 4, 2, 32, 192, 300
     cfg = ModelConfig(arch="qwen3" if qwen else "llama", name="tiny", n_layers=2, hidden=hidden,
                       n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd, ffn=ffn, vocab=vocab,

@@ -30,10 +30,10 @@ import modelgen_moe
 import reference
 from conftest import Transformers
 from kestreld.engine.generate import Engine, SamplingOptions
-from kestreld.engine.gguf_loader import GGUFSource
-from kestreld.engine.hf_loader import HFSource
-from kestreld.engine.kernels import K
-from kestreld.engine.loader import load_model
+from kestreld.model.gguf_file import GGUFSource
+from kestreld.model.hf_dir import HFSource
+from kestreld.kernels import K
+from kestreld.model.load import load_model
 from kestreld.errors import ModelLoadError
 from metrics import margin_top1_agreement, rel_rms_error
 

@@ -4,7 +4,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as gq
 
-from kestreld.engine.quant import (bf16_to_f32, dequantize_q8_0, float_to_q8_0, gguf_to_q8_0,
+from kestreld.model.quant import (bf16_to_f32, dequantize_q8_0, float_to_q8_0, gguf_to_q8_0,
                                    quantize_q8_0)
 
 RNG = np.random.default_rng(1234)
@@ -85,7 +85,7 @@ def test_unsupported_type_is_refused():
 
 
 def test_float_to_q8_0_chunks_and_bf16(monkeypatch):
-    import kestreld.engine.quant as quant
+    import kestreld.model.quant as quant
     monkeypatch.setattr(quant, "_CHUNK_VALUES", 64)  # force several chunks
     x = RNG.standard_normal((11, 64)).astype(np.float32)
     np.testing.assert_array_equal(float_to_q8_0(x), gq.quantize(x, T.Q8_0))

@@ -20,10 +20,10 @@ import modelgen_vl
 from kestreld.engine.arena import KVArena
 from kestreld.engine.forward import rope_tables
 from kestreld.engine.generate import Engine, SamplingOptions
-from kestreld.engine.hf_loader import _vl_text_config
-from kestreld.engine.images import decode_image, preprocess
-from kestreld.engine.loader import load_model
-from kestreld.engine.qwen3vl import MRopeTables, build_prompt
+from kestreld.model.hf_dir import _vl_text_config
+from kestreld.vision.images import decode_image, preprocess
+from kestreld.model.load import load_model
+from kestreld.vision.prompt import MRopeTables, build_prompt
 from kestreld.errors import BadRequest, PermissionDenied
 from kestreld.protocol import validate_params
 from metrics import assert_logits_agree

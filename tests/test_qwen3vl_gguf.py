@@ -1,5 +1,5 @@
 """Qwen3-VL as llama.cpp splits it: a qwen3vl text GGUF + a vision mmproj GGUF, written by
-kestreld.engine.convert_vl from the generated HF directory (tests/modelgen_vl.py), loaded
+kestreld.model.convert_vl from the generated HF directory (tests/modelgen_vl.py), loaded
 with load_model(text, mmproj=...) and compared with the HF-directory load and transformers.
 
 Measured (engine on 2 threads): the F32 pair gives the HF-directory load's logits, visual
@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 
 import modelgen_vl
-from kestreld.engine.convert import _field_value
-from kestreld.engine.convert_vl import convert_qwen3vl, main as convert_main
+from kestreld.model.convert import _field_value
+from kestreld.model.convert_vl import convert_qwen3vl, main as convert_main
 from kestreld.engine.diskkv import kv_fingerprint
 from kestreld.engine.generate import Engine, SamplingOptions
-from kestreld.engine.images import decode_image, preprocess
-from kestreld.engine.loader import load_model
-from kestreld.engine.mmproj import PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
+from kestreld.vision.images import decode_image, preprocess
+from kestreld.model.load import load_model
+from kestreld.vision.mmproj import PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
 from kestreld.errors import BadRequest, ModelLoadError
 from metrics import assert_logits_agree
 

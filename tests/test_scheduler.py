@@ -1,4 +1,4 @@
-"""kestreld.scheduler with a scripted stand-in engine: FIFO order, queue bound, cancel,
+"""kestreld.service.scheduler with a scripted stand-in engine: FIFO order, queue bound, cancel,
 dropped connections, shutdown, failures, and the events that reach the loop thread."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from kestreld.engine.generate import Completion, SamplingOptions, TokenEvent
 from kestreld.errors import BadRequest
 from kestreld.protocol import ChatParams, GenerateParams
-from kestreld.scheduler import Done, Failed, Job, Progress, Scheduler, Token, prompt_input
+from kestreld.service.scheduler import Done, Failed, Job, Progress, Scheduler, Token, prompt_input
 
 
 class ScriptedEngine:

@@ -17,7 +17,7 @@ import pytest
 
 from daemon import REPO, Daemon
 from kestrelctl import Client, KestrelClientError
-from kestreld import server as kserver
+from kestreld.service import server as kserver
 from kestreld.protocol import _FIELDS, OPTION_CHECKS, validate_params
 from test_server import SHORT, Raw
 

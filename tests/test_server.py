@@ -301,10 +301,10 @@ def test_slow_reader_gets_its_requests_cancelled_instead_of_buffering():
     """Unit test of the outgoing bound (filling a real socket needs ~300 tokens)."""
     from types import SimpleNamespace
 
-    from kestreld.config import Config
+    from kestreld.service.config import Config
     from kestreld.engine.generate import Completion, TokenEvent
-    from kestreld.scheduler import Done, Token as TokenEv
-    from kestreld.server import Connection
+    from kestreld.service.scheduler import Done, Token as TokenEv
+    from kestreld.service.server import Connection
 
     class Transport:
         unsent = 0

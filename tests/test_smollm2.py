@@ -12,10 +12,10 @@ import re
 
 import pytest
 
-from kestreld.config import default_cache_dir
-from kestreld.engine.convert import smollm2_q8_0_path
+from kestreld.service.config import default_cache_dir
+from kestreld.model.convert import smollm2_q8_0_path
 from kestreld.engine.generate import Engine, SamplingOptions
-from kestreld.engine.loader import load_model
+from kestreld.model.load import load_model
 
 GOLDEN_PATH = os.path.join(os.path.dirname(__file__), "golden", "smollm2_llamacpp.json")
 with open(GOLDEN_PATH, encoding="utf-8") as _f:

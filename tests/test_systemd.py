@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kestreld import systemd
-from kestreld.config import Config, read_config_file
+from kestreld.service import systemd
+from kestreld.service.config import Config, read_config_file
 from kestreld.errors import StartupError
 
 from container import unit_with
@@ -195,7 +195,7 @@ def test_notifier_survives_a_vanished_notify_socket(tmp_path, caplog):
 
 CHILD = """
 import json, os, socket, sys
-from kestreld.systemd import activated_socket
+from kestreld.service.systemd import activated_socket
 sock = activated_socket(os.environ)
 conn, _ = sock.accept()
 conn.sendall(json.dumps({
@@ -247,7 +247,7 @@ def test_activated_socket_refuses_a_datagram_socket(tmp_path):
     path = str(tmp_path / "kestreld.sock")
     child = subprocess.Popen(["systemd-socket-activate", "--datagram", "-l", path,
                               "-E", f"PYTHONPATH={CHECKOUT}", sys.executable, "-c",
-                              "import os; from kestreld.systemd import activated_socket; "
+                              "import os; from kestreld.service.systemd import activated_socket; "
                               "activated_socket(os.environ)"],
                              stderr=subprocess.PIPE, text=True)
     try:

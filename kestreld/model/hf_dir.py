@@ -15,9 +15,10 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ModelLoadError
-from .model import Q8_BLOCK, Q8_BLOCK_BYTES, ModelConfig, Q8Experts, Q8Matrix
+from .config import ModelConfig
+from .weights import Q8_BLOCK, Q8_BLOCK_BYTES, Q8Experts, Q8Matrix
 from .quant import bf16_to_f32, float_to_q8_0
-from .tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                  "Qwen3MoeForCausalLM": "qwen3moe", "Qwen3VLForConditionalGeneration": "qwen3vl"}

@@ -1,6 +1,6 @@
 """What a loaded model is: hyperparameters, Q8_0 weights, tokenizer, chat template.
 
-Loaders (`gguf_loader`, `hf_loader`) produce a `LoadedModel`; the forward pass reads it.
+Loaders (`gguf_file`, `hf_dir`) produce a `LoadedModel`; the forward pass reads it.
 Every weight matrix is Q8_0 in the GGUF layout, whatever the file held:
 
     Q8_0 row of `cols` values = cols/32 blocks of 34 bytes: fp16 scale d, then 32 int8 q;
@@ -11,46 +11,13 @@ are converted once at load. Norm weights are float32 vectors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .tokenizer import Tokenizer
-
 Q8_BLOCK = 32          # values per Q8_0 block
 Q8_BLOCK_BYTES = 34    # fp16 scale + 32 int8
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Hyperparameters, all read from the model file's metadata."""
-    arch: str                 # "qwen3" | "qwen3moe" | "llama"
-    name: str
-    n_layers: int
-    hidden: int               # d_model
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int             # may differ from hidden / n_heads (Qwen3)
-    ffn: int                  # SwiGLU intermediate size
-    vocab: int
-    rope_theta: float
-    norm_eps: float
-    tied_embeddings: bool     # output projection == token embedding
-    qk_norm: bool             # per-head RMSNorm on q and k (Qwen3)
-    rope_neox: bool           # True: rotate halves (x[i], x[i+d/2]); False: adjacent pairs (x[2i], x[2i+1])
-    context_length: int       # trained context (informational)
-    n_params: int = 0
-    # Mixture of experts (Qwen3-MoE); all 0 / empty for dense models.
-    n_experts: int = 0            # experts per MoE layer
-    n_experts_used: int = 0       # experts each token is routed to (top-k)
-    expert_ffn: int = 0           # SwiGLU intermediate size of one expert
-    norm_topk_prob: bool = True   # rescale the k chosen router probabilities to sum to 1
-    moe_layers: tuple = ()        # indices of the layers whose feed-forward is MoE
-    # Qwen3-VL: interleaved M-RoPE, frequencies per (t, h, w) component; () = plain RoPE.
-    # Text-only input has t = h = w, which is plain RoPE.
-    mrope_section: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -117,18 +84,3 @@ class ModelWeights:
     layers: list[LayerWeights]
     out_norm: np.ndarray          # (hidden,) f32
     output: Q8Matrix              # (vocab, hidden); the same object as tok_embd when tied
-
-
-@dataclass
-class LoadedModel:
-    """Everything the engine needs from a model file or directory."""
-    path: str
-    config: ModelConfig
-    weights: ModelWeights
-    tokenizer: "Tokenizer"
-    chat_template: Optional[str]  # Jinja source, from the file
-    source_format: str            # "gguf" | "hf"
-    source_dtype: str             # what the file held, e.g. "q8_0", "q4_1", "bf16"
-    keepalive: list = field(default_factory=list)  # memory maps the arrays view into
-    vision: Optional[object] = None  # Qwen3-VL: the vision encoder (vision.VisionEncoder)
-    mmproj: Optional[str] = None     # the vision projector GGUF the encoder came from, if any

@@ -22,16 +22,16 @@ import struct
 from typing import Callable, Optional
 
 from .config import Config
-from .engine.generate import SamplingOptions
-from .errors import BadRequest, InternalError, KestrelError, StartupError
-from .protocol import (ENGINE_METHODS, PROGRESS, TOKEN, CancelParams, DetokenizeParams,
+from ..engine.generate import SamplingOptions
+from ..errors import BadRequest, InternalError, KestrelError, StartupError
+from ..protocol import (ENGINE_METHODS, PROGRESS, TOKEN, CancelParams, DetokenizeParams,
                        FrameError, FrameReader, Request, TokenizeParams, completion_result,
                        decode_message, encode_notification, encode_response, msgid_of,
                        validate_params)
 from .scheduler import Done, Failed, Job, Progress, Scheduler, Token
 from .status import StatusReporter
 
-log = logging.getLogger("kestreld.server")
+log = logging.getLogger("kestreld.service.server")
 
 _PEERCRED = struct.Struct("3i")     # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 MAX_ASIDE_IN_FLIGHT = 4             # tokenize/detokenize answers pending per connection

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Sequence
 
-from .protocol import DEFAULT_SOCKET  # one definition, shared with kestrelctl
+from ..protocol import DEFAULT_SOCKET  # one definition, shared with kestrelctl
 
 DEFAULT_CONFIG_FILE = "/etc/kestrel/kestreld.conf"
 

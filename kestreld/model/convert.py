@@ -7,7 +7,7 @@ keys, value types and order; tokenizer arrays and chat template included) except
 requantized with `gguf.quants` (bit-exact with ggml's reference Q8_0); 1-D tensors (norm
 vectors) are copied unchanged. The output is deterministic: same input, same bytes.
 
-CLI: python -m kestreld.engine.convert SRC DST
+CLI: python -m kestreld.model.convert SRC DST
 """
 from __future__ import annotations
 
@@ -217,7 +217,7 @@ def smollm2_q8_0_path(cache_dir: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kestreld.engine.convert",
+    p = argparse.ArgumentParser(prog="python -m kestreld.model.convert",
                                 description="Rewrite a GGUF model with all matrices in Q8_0.")
     p.add_argument("src", help="source GGUF file (any type gguf.quants can dequantize)")
     p.add_argument("dst", help="Q8_0 GGUF file to write")

@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from .model import Q8_BLOCK, Q8_BLOCK_BYTES
+from .weights import Q8_BLOCK, Q8_BLOCK_BYTES
 
 # GGUF tensor types that load converts to Q8_0 (Q8_0 itself is used in place).
 CONVERTIBLE_TYPES = (

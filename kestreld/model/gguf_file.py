@@ -16,9 +16,10 @@ from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField
 
 from ..errors import ModelLoadError
-from .model import Q8_BLOCK, ModelConfig, Q8Experts, Q8Matrix
+from .config import ModelConfig
+from .weights import Q8_BLOCK, Q8Experts, Q8Matrix
 from .quant import SUPPORTED_TYPES, dequantize_gguf, gguf_to_q8_0
-from .tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)

@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-from .engine.generate import Completion, SamplingOptions, TokenEvent
-from .errors import Cancelled, InternalError, KestrelError, QueueFull, ShuttingDown
-from .protocol import ChatParams, GenerateParams
+from ..engine.generate import Completion, SamplingOptions, TokenEvent
+from ..errors import Cancelled, InternalError, KestrelError, QueueFull, ShuttingDown
+from ..protocol import ChatParams, GenerateParams
 
-log = logging.getLogger("kestreld.scheduler")
+log = logging.getLogger("kestreld.service.scheduler")
 
 PROGRESS_INTERVAL_S = 0.25     # prefill progress at most 4 times a second
 

@@ -22,9 +22,9 @@ import os
 import socket
 from typing import MutableMapping, Optional
 
-from .errors import StartupError
+from ..errors import StartupError
 
-log = logging.getLogger("kestreld.systemd")
+log = logging.getLogger("kestreld.service.systemd")
 
 LISTEN_FDS_START = 3  # SD_LISTEN_FDS_START: passed descriptors begin at fd 3
 

@@ -18,7 +18,7 @@ TYPE (--outtype) is that of the weight matrices: F32, F16, BF16 or Q8_0. Vectors
 biases) stay F32; the patch kernel and the position embedding are F16 unless TYPE is F32,
 and a matrix whose rows are not whole Q8_0 blocks is F16 (as llama.cpp falls back).
 
-CLI: python -m kestreld.engine.convert_vl HF_DIR OUT_DIR [--outtype f16]
+CLI: python -m kestreld.model.convert_vl HF_DIR OUT_DIR [--outtype f16]
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ import numpy as np
 
 from ..errors import ModelLoadError
 from .convert import cache_stem, cached_conversion, find_cached
-from .gguf_loader import TENSOR_NAMES as GGUF_NAMES
-from .hf_loader import HFSource
-from .mmproj import HF_PATCH_KERNEL, PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
-from .vision import hf_vision_config
+from .gguf_file import TENSOR_NAMES as GGUF_NAMES
+from .hf_dir import HFSource
+from ..vision.mmproj import HF_PATCH_KERNEL, PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
+from ..vision.encoder import hf_vision_config
 
 log = logging.getLogger("kestreld")
 QT = gguf.GGMLQuantizationType
@@ -215,7 +215,7 @@ def _tensor_type(name: str, arr: np.ndarray, qtype):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kestreld.engine.convert_vl",
+    p = argparse.ArgumentParser(prog="python -m kestreld.model.convert_vl",
                                 description="Write llama.cpp's text GGUF + mmproj GGUF pair "
                                             "of a Qwen3-VL Hugging Face directory.")
     p.add_argument("hf_dir", help="Qwen3-VL model directory (config.json, safetensors, tokenizer)")

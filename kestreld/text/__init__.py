@@ -1,0 +1,1 @@
+"""Text in and out of token ids: the tokenizer (`tokenizer`) and chat templates (`chat`)."""
