@@ -74,21 +74,21 @@ def main() -> int:
     chunk = max(256, args.prefill)
     eng = Engine(model, max_seq=max(1024, args.depth + args.steps + chunk + 2),
                  threads=args.threads, prefill_chunk=chunk)
-    tr = eng.transformer
+    tr = eng.forward
     rng = np.random.default_rng(0)
     ids = rng.integers(256, 20000, size=args.depth + max(args.steps, args.prefill) + 1).tolist()
     for p0 in range(0, max(args.depth, 1), chunk):     # fill the cache (and warm up)
-        tr.forward(ids[p0:min(max(args.depth, 1), p0 + chunk)], p0)
+        tr(ids[p0:min(max(args.depth, 1), p0 + chunk)])
     totals = defaultdict(lambda: [0.0, 0])
     instrument(totals)
     tr.decode_step = TimedStep(tr.decode_step, totals)
     t0 = time.perf_counter()
     if args.prefill:
-        tr.forward(ids[args.depth:args.depth + args.prefill], args.depth)
+        tr(ids[args.depth:args.depth + args.prefill])
         what, count = f"prefill {args.prefill} @ {args.depth}", args.prefill
     else:
         for i in range(args.steps):
-            tr.forward([ids[i]], args.depth + i)
+            tr([ids[i]])
         what, count = f"decode x{args.steps} @ {args.depth}", args.steps
     wall = time.perf_counter() - t0
     print(f"{args.model} {what}, threads {args.threads}: {wall * 1e3:.1f} ms, "

@@ -14,7 +14,7 @@ does not depend on the weight values.
 
 Each repetition takes a fresh 448 x 448 JPEG (28 x 28 patches -> 196 visual tokens), so its
 first request is a prefix miss (asserted), and runs in the in-process `Engine`:
-  1. image decode and preprocess, timed alone (the request does them again in chat_prompt);
+  1. image decode and preprocess, timed alone (the request does them again when its prompt is built);
   2. request 1: image + question, greedy, 64 tokens (ignore_eos): vision encode ms,
      prefill of the whole prompt (language model only: encode excluded) and decode tok/s;
   3. request 2: another question on the same image: the image's KV is reused (asserted:
@@ -281,7 +281,7 @@ def question(image: bytes, text: str) -> list:
 
 
 def preprocess_ms(engine, image: bytes) -> tuple[float, float]:
-    """(decode ms, preprocess ms) of one encoded image, as chat_prompt does them."""
+    """(decode ms, preprocess ms) of one encoded image, as building the prompt does them."""
     from kestreld.vision.images import decode_image, preprocess
     t0 = time.perf_counter()
     rgb = decode_image(image)
@@ -291,19 +291,21 @@ def preprocess_ms(engine, image: bytes) -> tuple[float, float]:
 
 
 def ask(engine, image: bytes, text: str, max_tokens: int) -> dict:
-    """One chat request (image + text): chat_prompt, then generate; its figures."""
-    from kestreld.engine.generate import SamplingOptions
+    """One chat request (image + text): its prompt built, then generated; its figures."""
+    from kestreld.engine.prompt import ChatInput
+    from kestreld.engine.sampler import SamplingOptions
     t0 = time.perf_counter()
-    ids, vision = engine.chat_prompt(question(image, text))
+    prompt = engine.prompt(ChatInput(tuple(question(image, text))))
+    vision = prompt.vision
     prompt_ms = (time.perf_counter() - t0) * 1e3
-    c = engine.generate(ids, SamplingOptions(max_tokens=max_tokens, temperature=0.0,
-                                             ignore_eos=True), vision=vision)
+    c = engine.generate(prompt, SamplingOptions(max_tokens=max_tokens, temperature=0.0,
+                                                ignore_eos=True))
     assert c.completion_tokens == max_tokens, c.completion_tokens
-    encode_ms = c.extra["encode_ms"]
+    encode_ms = c.images.encode_ms
     lm_prefill_ms = c.prefill_ms - encode_ms
     return {"chat_prompt_ms": prompt_ms, "prompt_tokens": c.prompt_tokens,
             "cached_tokens": c.cached_tokens, "prefill_tokens": c.prefill_tokens,
-            "visual_tokens": c.extra["visual_tokens"], "encoded": c.extra["images_encoded"],
+            "visual_tokens": c.images.visual_tokens, "encoded": c.images.encoded,
             "image_end": vision.spans[-1][1], "encode_ms": encode_ms,
             "prefill_ms": lm_prefill_ms, "prefill_tps": c.prefill_tokens / (lm_prefill_ms / 1e3),
             "ttft_ms": c.ttft_ms, "request_ttft_ms": prompt_ms + c.ttft_ms,

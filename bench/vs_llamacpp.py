@@ -87,7 +87,7 @@ class KestrelRunner:
         self.engine = Engine(model, max_seq=max_seq, threads=threads, **extra)
 
     def _run(self, ids: list, n: int):
-        from kestreld.engine.generate import SamplingOptions
+        from kestreld.engine.sampler import SamplingOptions
         c = self.engine.generate(ids, SamplingOptions(max_tokens=n, temperature=0.0,
                                                       ignore_eos=True))
         assert c.cached_tokens == 0 and c.completion_tokens == n, (c.cached_tokens, c.completion_tokens)

@@ -8,7 +8,8 @@
 
 The socket is --socket, else $KESTREL_SOCKET, else the default path. Text is streamed to
 stdout; statistics and the prefill progress bar (only when stderr is a terminal) go to
-stderr. The exit status says what went wrong (EXIT_STATUS, also in docs/protocol.md).
+stderr. The exit status says what went wrong: one per error code (kestreld.errors.EXIT_STATUS,
+also in docs/protocol.md).
 """
 from __future__ import annotations
 
@@ -18,22 +19,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from kestreld.errors import EXIT_INTERRUPTED, EXIT_STATUS
+
 from .client import Client, KestrelClientError, Progress, Result, Token
 
-# Exit statuses, one per error code (argparse's usage errors are 2 as well).
-EXIT_STATUS = {
-    "bad_request": 2,
-    "unknown_method": 3,
-    "too_large": 4,
-    "prompt_too_long": 5,
-    "queue_full": 6,
-    "shutting_down": 7,
-    "cancelled": 8,
-    "permission_denied": 9,
-    "internal": 10,
-    "unavailable": 11,      # no daemon at the socket, or the connection broke
-}
-EXIT_INTERRUPTED = 130      # Ctrl-C (the running request is cancelled first)
 BAR_WIDTH = 30
 
 

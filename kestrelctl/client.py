@@ -25,10 +25,11 @@ from typing import Iterator, Optional, Union
 
 import msgpack
 
+from kestreld.errors import Unavailable
 from kestreld.protocol import (DEFAULT_SOCKET, NOTIFICATION, PROGRESS, RESPONSE, TOKEN,
                                encode_request)
 
-UNAVAILABLE = "unavailable"      # client-side code: no daemon, or the connection broke
+UNAVAILABLE = Unavailable.code  # client-side code: no daemon, or the connection broke
 
 
 class KestrelClientError(Exception):

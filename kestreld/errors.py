@@ -1,77 +1,103 @@
-"""Every kind of failure, one exception type each, and its wire code (the one mapping).
+"""Every kind of failure, one exception type each, and the one table of what it maps to:
+its wire code (the protocol's `error.code`), its HTTP status, and the exit status of the
+command that met it (kestrelctl for a request's errors; kestreld for a fatal start-up).
 
-Raise these anywhere in the daemon; the server turns them into
-`{"code": ..., "message": ...}` with `to_wire`. Anything else that escapes becomes
-`internal`. Messages state the limit and the value received.
+Raise these anywhere in the daemon. A request's error travels back to its client as
+`to_wire(exc)`; anything that is not a KestrelError becomes `internal` through `internal()`.
+Messages state the limit and the value received. kestrelctl imports this module (it
+imports nothing else of the daemon).
 """
 from __future__ import annotations
 
 
 class KestrelError(Exception):
-    """Base: a failure with a protocol error code."""
+    """Base: a request's failure, with its protocol error code, HTTP status and the exit
+    status kestrelctl returns for it."""
     code = "internal"
+    http_status = 500
+    exit_status = 10
+    wire = True               # a code the daemon sends (False: seen only by clients)
 
     def to_wire(self) -> dict:
         return {"code": self.code, "message": str(self)}
 
 
 class BadRequest(KestrelError):
-    code = "bad_request"
+    code, http_status, exit_status = "bad_request", 400, 2
 
 
 class UnknownMethod(KestrelError):
-    code = "unknown_method"
+    code, http_status, exit_status = "unknown_method", 404, 3
 
 
 class TooLarge(KestrelError):
-    code = "too_large"
+    code, http_status, exit_status = "too_large", 413, 4
 
 
 class PromptTooLong(KestrelError):
-    code = "prompt_too_long"
+    code, http_status, exit_status = "prompt_too_long", 400, 5
 
 
 class QueueFull(KestrelError):
-    code = "queue_full"
-
-
-class Cancelled(KestrelError):
-    code = "cancelled"
+    code, http_status, exit_status = "queue_full", 429, 6
 
 
 class ShuttingDown(KestrelError):
-    code = "shutting_down"
+    code, http_status, exit_status = "shutting_down", 503, 7
+
+
+class Cancelled(KestrelError):
+    code, http_status, exit_status = "cancelled", 499, 8
 
 
 class PermissionDenied(KestrelError):
-    code = "permission_denied"
+    code, http_status, exit_status = "permission_denied", 403, 9
 
 
 class InternalError(KestrelError):
-    code = "internal"
+    code, http_status, exit_status = "internal", 500, 10
 
 
-class ModelLoadError(Exception):
-    """A model file or directory cannot be used; the message names the file and the fault.
-
-    Not a wire error: it stops start-up with one line (see main)."""
-
-
-class KernelsMissing(Exception):
-    """The compiled kernels do not import; Kestrel refuses to run without them."""
+class Unavailable(KestrelError):
+    """Client side only: no daemon at the socket, or the connection broke."""
+    code, http_status, exit_status, wire = "unavailable", 503, 11, False
 
 
-WIRE_CODES = ("bad_request", "unknown_method", "too_large", "prompt_too_long", "queue_full",
-              "cancelled", "shutting_down", "permission_denied", "internal")
+REQUEST_ERRORS = (BadRequest, UnknownMethod, TooLarge, PromptTooLong, QueueFull, ShuttingDown,
+                  Cancelled, PermissionDenied, InternalError, Unavailable)
+WIRE_CODES = tuple(e.code for e in REQUEST_ERRORS if e.wire)
+BY_CODE = {e.code: e for e in REQUEST_ERRORS}
+EXIT_STATUS = {e.code: e.exit_status for e in REQUEST_ERRORS}   # kestrelctl's exit statuses
+EXIT_INTERRUPTED = 130        # a command stopped by Ctrl-C
+
+
+def internal(exc: BaseException) -> KestrelError:
+    """`exc` itself if it is a KestrelError, else an InternalError naming it (an engine or
+    server bug must reach the client as `internal`, never kill the daemon)."""
+    if isinstance(exc, KestrelError):
+        return exc
+    return InternalError(f"internal error: {type(exc).__name__}: {exc}")
 
 
 def to_wire(exc: BaseException) -> dict:
-    """The protocol error map for any exception (unknown ones are `internal`)."""
-    if isinstance(exc, KestrelError):
-        return exc.to_wire()
-    return {"code": "internal", "message": f"internal error: {type(exc).__name__}: {exc}"}
+    """The protocol error map of any exception (unknown ones are `internal`)."""
+    return internal(exc).to_wire()
 
 
-class StartupError(Exception):
-    """The daemon cannot start (e.g. the socket path is in use or is not a socket); one
-    line on stderr, exit 1 (see main)."""
+# ---------------------------------------------------------------- fatal: kestreld stops
+
+class FatalError(Exception):
+    """kestreld cannot start or go on: one line on stderr, exit status 1 (see main)."""
+    exit_status = 1
+
+
+class ModelLoadError(FatalError):
+    """A model file or directory cannot be used; the message names the file and the fault."""
+
+
+class KernelsMissing(FatalError):
+    """The compiled kernels do not import; Kestrel refuses to run without them."""
+
+
+class StartupError(FatalError):
+    """The daemon cannot start (e.g. the socket path is in use or is not a socket)."""

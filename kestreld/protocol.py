@@ -26,10 +26,10 @@ DEFAULT_SOCKET = "/run/kestrel/kestreld.sock"
 
 REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 
-# Methods: generation goes through the scheduler; the rest is answered by the event loop.
+# Methods: generate and chat generate text (and take the sampling options); the others are
+# answered at once (service/methods.py says where each runs).
 ENGINE_METHODS = ("generate", "chat")
-LOOP_METHODS = ("tokenize", "detokenize", "status", "cancel", "ping")
-METHODS = ENGINE_METHODS + LOOP_METHODS
+METHODS = ENGINE_METHODS + ("tokenize", "detokenize", "status", "cancel", "ping")
 
 # Server -> client notifications.
 TOKEN = "token"
@@ -456,27 +456,3 @@ class FrameReader:
         self.dead = True
         out.append(FrameError(error, msgid))
         return out
-
-
-# ---------------------------------------------------------------- results
-
-def completion_result(c, queue_ms: float, ttft_ms: float) -> dict:
-    """The wire completion map of an engine Completion (see PROTOCOL.md)."""
-    prefill_s, decode_s = c.prefill_ms / 1000.0, c.decode_ms / 1000.0
-    out = {
-        "text": c.text,
-        "ids": list(c.ids),
-        "finish_reason": c.finish_reason,
-        "usage": {"prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
-                  "cached_source": c.extra.get("cached_source"),
-                  "prefill_tokens": c.prefill_tokens, "completion_tokens": c.completion_tokens,
-                  **{k: c.extra[k] for k in ("images", "visual_tokens") if k in c.extra}},
-        "timings": {"queue_ms": round(queue_ms, 3), "prefill_ms": round(c.prefill_ms, 3),
-                    "decode_ms": round(c.decode_ms, 3), "ttft_ms": round(ttft_ms, 3),
-                    "prefill_tok_s": round(c.prefill_tokens / prefill_s, 2) if prefill_s > 0 else 0.0,
-                    "decode_tok_s": round(c.completion_tokens / decode_s, 2) if decode_s > 0 else 0.0,
-                    **({"encode_ms": c.extra["encode_ms"]} if "encode_ms" in c.extra else {})},
-    }
-    if c.logprobs is not None:
-        out["logprobs"] = c.logprobs
-    return out

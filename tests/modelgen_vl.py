@@ -185,3 +185,10 @@ def test_image(seed: int, width: int, height: int, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
     Image.fromarray(a.astype(np.uint8)).save(buf, format=fmt)
     return buf.getvalue()
+
+
+def chat_prompt(engine, messages) -> tuple:
+    """(ids, VisionPrompt) of a chat request, as the engine builds it."""
+    from kestreld.engine.prompt import ChatInput
+    p = engine.prompt(ChatInput(tuple(messages)))
+    return p.ids, p.vision

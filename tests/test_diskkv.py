@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kestreld.engine.arena import KVArena
-from kestreld.engine.diskkv import (HEADER_SIZE, DiskKV, Header, KVLayout, file_size,
-                                    model_identity)
-from kestreld.engine.generate import Engine, SamplingOptions
+from kestreld.engine.diskkv import HEADER_SIZE, DiskKV, Header, file_size, model_identity
+from kestreld.engine.generate import Engine
+from kestreld.engine.kvcache import KVCache, KVLayout
+from kestreld.engine.sampler import SamplingOptions
 from kestreld.model.load import load_model
 from kestreld.errors import StartupError
 from modelgen import prompt_ids
@@ -31,28 +31,35 @@ FP = bytes(range(32))                    # a fingerprint for the synthetic store
 
 # ---------------------------------------------------------------- helpers
 
-def fill(arena: KVArena, ids, start: int = 0) -> None:
-    """Rows [start, len(ids)) := a pattern of their ids (what a forward pass would write)."""
+def fill(kv: KVCache, ids, start: int = 0) -> None:
+    """Rows [start, len(ids)) := a pattern of their ids, as if a forward pass had run them
+    after the cache's first `start` rows."""
     t = np.asarray(ids[start:], dtype=np.int64)
     rows = slice(start, len(ids))
-    arena.k_q[:, :, rows] = (t % 127)[None, None, :, None]
-    arena.v_q[:, :, rows] = (-(t % 113))[None, None, :, None]
-    arena.k_s[:, :, rows] = (t * 0.5)[None, None, :]
-    arena.v_s[:, :, rows] = (t * 0.25 + 1)[None, None, :]
-    arena.cache_len = len(ids)
+    kv.truncate(start)
+    kv.k_q[:, :, rows] = (t % 127)[None, None, :, None]
+    kv.v_q[:, :, rows] = (-(t % 113))[None, None, :, None]
+    kv.k_s[:, :, rows] = (t * 0.5)[None, None, :]
+    kv.v_s[:, :, rows] = (t * 0.25 + 1)[None, None, :]
+    kv.append(ids[start:])
 
 
-def assert_rows(arena: KVArena, ids, n: int) -> None:
-    """Rows [0, n) hold the pattern of ids[:n] exactly."""
-    ref = KVArena(arena.n_layers, arena.n_kv_heads, arena.head_dim, arena.max_seq)
+def assert_rows(kv: KVCache, ids, n: int) -> None:
+    """Rows [0, n) hold the pattern of ids[:n] exactly, and their keys are ids[:n]."""
+    ref = KVCache(kv.layout)
     fill(ref, ids[:n])
-    for got, want in ((arena.k_q, ref.k_q), (arena.v_q, ref.v_q), (arena.k_s, ref.k_s),
-                      (arena.v_s, ref.v_s)):
+    assert kv.keys[:n] == tuple(ids[:n])
+    for got, want in ((kv.k_q, ref.k_q), (kv.v_q, ref.v_q), (kv.k_s, ref.k_s), (kv.v_s, ref.v_s)):
         np.testing.assert_array_equal(got[:, :, :n], want[:, :, :n])
 
 
-def arena(layout: KVLayout = LAYOUT) -> KVArena:
-    return KVArena(layout.n_layers, layout.n_kv_heads, layout.head_dim, layout.max_seq)
+def arena(layout: KVLayout = LAYOUT) -> KVCache:
+    return KVCache(layout)
+
+
+def restored(s: DiskKV, keys, kv: KVCache) -> int:
+    """The cache's valid rows after a restore from the disk; 0 if nothing was restored."""
+    return kv.cache_len if s.restore(keys, kv) else 0
 
 
 def store(path, max_bytes: int = 1 << 30, fp: bytes = FP, layout: KVLayout = LAYOUT) -> DiskKV:
@@ -93,10 +100,10 @@ def test_restore_after_restart_equals_recompute(model, tmp_path):
     first = prompt_ids(NAME, 90, seed=1)
     e1 = engine(model, tmp_path)
     c1 = e1.generate(first, GREEDY)
-    assert c1.extra["cached_source"] is None
+    assert c1.cached_source is None
     turn2 = first + c1.ids + prompt_ids(NAME, 30, seed=2)
     c2 = e1.generate(turn2, GREEDY)                    # a memory hit: only a delta is saved
-    assert c2.extra["cached_source"] == "memory"
+    assert c2.cached_source == "memory"
     e1.close()
     full, delta = sorted(snapshot_files(tmp_path), key=lambda p: -p.stat().st_size)
     assert delta.stat().st_size < full.stat().st_size / 2
@@ -105,10 +112,10 @@ def test_restore_after_restart_equals_recompute(model, tmp_path):
     e2 = engine(model, tmp_path)                       # "after a restart": a fresh arena
     turn3 = turn2 + c2.ids + prompt_ids(NAME, 20, seed=3)
     c3 = e2.generate(turn3, GREEDY)
-    assert c3.extra["cached_source"] == "disk"
+    assert c3.cached_source == "disk"
     assert c3.cached_tokens == len(valid) and c3.prefill_tokens == len(turn3) - len(valid)
-    for a, b in zip((e1.arena.k_q, e1.arena.v_q, e1.arena.k_s, e1.arena.v_s),
-                    (e2.arena.k_q, e2.arena.v_q, e2.arena.k_s, e2.arena.v_s)):
+    for a, b in zip((e1.kv.k_q, e1.kv.v_q, e1.kv.k_s, e1.kv.v_s),
+                    (e2.kv.k_q, e2.kv.v_q, e2.kv.k_s, e2.kv.v_s)):
         np.testing.assert_array_equal(a[:, :, :len(valid)], b[:, :, :len(valid)])
     fresh = engine(model, prefix_kv=False).generate(turn3, GREEDY)
     assert fresh.cached_tokens == 0 and c3.ids == fresh.ids
@@ -128,7 +135,7 @@ def test_disk_serves_a_conversation_the_arena_lost(model, tmp_path):
     again = a + ca.ids + prompt_ids(NAME, 10, seed=6)
     c = e.generate(again, GREEDY)
     assert c.prefix_event.startswith("[KV-PREFIX] miss")
-    assert c.extra["cached_source"] == "disk" and c.cached_tokens == len(a) + len(ca.ids) - 1
+    assert c.cached_source == "disk" and c.cached_tokens == len(a) + len(ca.ids) - 1
     assert c.ids == engine(model, prefix_kv=False).generate(again, GREEDY).ids
     e.close()
 
@@ -139,11 +146,11 @@ def test_rows_are_copied_before_the_next_request_overwrites_them(tmp_path):
     s, ar = store(tmp_path), arena()
     ids = ids_of(1, 100)
     fill(ar, ids)
-    s.save(ids, ar)
+    s.save(ar)
     fill(ar, ids_of(2, 100))                           # the next request, at once
     settle(s)
     fresh = arena()
-    assert s.restore(ids + [7], fresh) == 100
+    assert restored(s, ids + [7], fresh) == 100
     assert_rows(fresh, ids, 100)
     s.close()
 
@@ -153,12 +160,12 @@ def test_disk_extends_a_short_memory_hit(tmp_path):
     s, ar = store(tmp_path), arena()
     ids = ids_of(7, 100)
     fill(ar, ids)
-    s.save(ids, ar)
+    s.save(ar)
     settle(s)
     out = arena()
     out.k_q[:, :, :20] = 99                             # memory's own rows, marked
-    out.cache_len = 20
-    assert s.restore(ids + [5], out) == 100
+    out.append(ids[:20])
+    assert restored(s, ids + [5], out) == 100
     assert (out.k_q[:, :, :20] == 99).all()
     fill(ar, ids)
     np.testing.assert_array_equal(out.k_q[:, :, 20:100], ar.k_q[:, :, 20:100])
@@ -169,11 +176,12 @@ def test_disk_extends_a_short_memory_hit(tmp_path):
 def test_a_delta_whose_parent_is_gone_is_removed(tmp_path, caplog):
     s, ar = store(tmp_path), arena()
     ids = ids_of(8, 100)
-    fill(ar, ids)
-    s.save(ids[:60], ar)
+    fill(ar, ids[:60])
+    s.save(ar)
     settle(s)
     parent = snapshot_files(tmp_path)[0]
-    s.save(ids, ar)                                     # rows [60, 100) only
+    fill(ar, ids, 60)
+    s.save(ar)                                          # rows [60, 100) only
     s.close()
     delta = [p for p in snapshot_files(tmp_path) if p != parent][0]
     assert delta.stat().st_size == file_size(LAYOUT, 100, 60)
@@ -197,7 +205,7 @@ def test_killed_mid_write_leaves_no_torn_snapshot(tmp_path):
         for seed in range(1000):
             ids = ids_of(seed, 4000)
             fill(ar, ids)
-            s.save(ids, ar)
+            s.save(ar)
             while s.stats()["queued"]:
                 time.sleep(0.001)
     """)
@@ -226,7 +234,7 @@ def test_killed_mid_write_leaves_no_torn_snapshot(tmp_path):
     for seed in range(kept["files"] + 1):               # every seed written so far
         ids = ids_of(seed, 4000)
         ar = arena(big)
-        got = s.restore(ids + [1], ar)
+        got = restored(s, ids + [1], ar)
         if got:
             assert got == 4000
             assert_rows(ar, ids, got)
@@ -246,7 +254,7 @@ def test_other_model_or_layout_is_ignored(model, zoo, tmp_path):
         s = other.disk_kv.stats()
         assert (s["files"], s["foreign_files"]) == (0, n_before)
         c = other.generate(ids[:40] + [1, 2, 3], GREEDY)
-        assert c.extra["cached_source"] is None and c.cached_tokens == 0
+        assert c.cached_source is None and c.cached_tokens == 0
         other.close()
     assert len(snapshot_files(tmp_path)) == 3              # ignored, not deleted
 
@@ -266,7 +274,7 @@ def test_corrupt_payload_byte_is_detected_and_skipped(tmp_path, caplog):
     s, ar = store(tmp_path), arena()
     ids = ids_of(3, 80)
     fill(ar, ids)
-    s.save(ids, ar)
+    s.save(ar)
     s.close()
     f = snapshot_files(tmp_path)[0]
     raw = bytearray(f.read_bytes())
@@ -275,7 +283,7 @@ def test_corrupt_payload_byte_is_detected_and_skipped(tmp_path, caplog):
     s = store(tmp_path)                                 # header and ids are fine: indexed
     assert s.stats()["files"] == 1
     with caplog.at_level(logging.WARNING, "kestreld.diskkv"):
-        assert s.restore(ids, arena()) == 0
+        assert restored(s, ids, arena()) == 0
     assert "payload checksum mismatch" in caplog.text
     assert not f.exists() and s.stats()["rejected"] == 1 and s.stats()["files"] == 0
     s.close()
@@ -287,7 +295,7 @@ def test_ids_are_compared_not_only_checksummed(tmp_path, caplog):
     s, ar = store(tmp_path), arena()
     ids = ids_of(4, 80)
     fill(ar, ids)
-    s.save(ids, ar)
+    s.save(ar)
     settle(s)
     f = snapshot_files(tmp_path)[0]
     raw = bytearray(f.read_bytes())
@@ -298,7 +306,7 @@ def test_ids_are_compared_not_only_checksummed(tmp_path, caplog):
                                h.payload_bytes, zlib.crc32(other), h.payload_crc).pack()
     f.write_bytes(bytes(raw))
     with caplog.at_level(logging.WARNING, "kestreld.diskkv"):
-        assert s.restore(ids, arena()) == 0
+        assert restored(s, ids, arena()) == 0
     assert "token ids differ" in caplog.text
     s.close()
 
@@ -309,20 +317,20 @@ def test_size_cap_evicts_least_recently_used(tmp_path):
     a, b, c = ids_of(10, 100), ids_of(11, 100), ids_of(12, 100)
     for ids in (a, b):
         fill(ar, ids)
-        s.save(ids, ar)
+        s.save(ar)
         settle(s)
-    assert s.restore(a + [1], arena()) == 100           # a is now more recent than b
+    assert restored(s, a + [1], arena()) == 100           # a is now more recent than b
     fill(ar, c)
-    s.save(c, ar)
+    s.save(ar)
     st = settle(s)
     assert st["files"] == 2 and st["evictions"] == 1 and st["bytes"] == 2 * one <= st["max_bytes"]
     assert sum(p.stat().st_size for p in tmp_path.iterdir()) == 2 * one
     s.close()
     s = store(tmp_path, max_bytes=int(2.5 * one))      # the LRU order survives a restart
-    assert s.restore(b + [1], arena()) == 0
+    assert restored(s, b + [1], arena()) == 0
     for ids in (a, c):
         out = arena()
-        assert s.restore(ids + [1], out) == 100
+        assert restored(s, ids + [1], out) == 100
         assert_rows(out, ids, 100)
     s.close()
 
@@ -333,7 +341,7 @@ def test_symlinks_are_not_followed(tmp_path, caplog):
     s, ar = store(d), arena()
     ids = ids_of(6, 100)
     fill(ar, ids)
-    s.save(ids, ar)
+    s.save(ar)
     s.close()
     real = snapshot_files(d)[0]
     moved = outside / real.name
@@ -344,7 +352,7 @@ def test_symlinks_are_not_followed(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, "kestreld.diskkv"):
         s = store(d)
     assert "a symlink, not followed" in caplog.text
-    assert s.stats()["files"] == 0 and s.restore(ids + [1], arena()) == 0
+    assert s.stats()["files"] == 0 and restored(s, ids + [1], arena()) == 0
     assert not (d / ("kv-" + "ef" * 16 + ".tmp")).exists()       # the link removed, not its target
     assert moved.exists() and (outside / "precious").read_text() == "keep me"
     s.close()

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import reference
-from kestreld.engine.generate import Engine, SamplingOptions
+from kestreld.engine.generate import Engine
+from kestreld.engine.sampler import SamplingOptions
 from kestreld.model.load import load_model
 from metrics import margin_top1_agreement, rel_rms_error
 from modelgen import SPECS, prompt_ids
@@ -44,7 +45,7 @@ def _engine(loaded, n_tokens: int, prefill_chunk: int) -> Engine:
 
 
 def _logits(engine: Engine, ids) -> np.ndarray:
-    engine.arena.reset(0)
+    engine.kv.truncate(0)
     return engine.forward_logits(ids, 0)
 
 
@@ -81,7 +82,7 @@ def test_prefill_chunking_is_invisible(zoo, name):
     one = _logits(_engine(loaded, n, 256), ids)
     chunked = _logits(_engine(loaded, n, 40), ids)
     stepper = _engine(loaded, n, 1)
-    stepper.arena.reset(0)
+    stepper.kv.truncate(0)
     by_token = np.concatenate([stepper.forward_logits([t], pos) for pos, t in enumerate(ids)])
     for label, other in (("chunks of 40", chunked), ("token by token", by_token)):
         rel = rel_rms_error(other, one)

@@ -2,7 +2,8 @@
 chunking, streaming, prefix reuse, stop strings, limits, cancel and errors."""
 import pytest
 
-from kestreld.engine.generate import Engine, SamplingOptions, StopMatcher
+from kestreld.engine.generate import Engine, StopMatcher
+from kestreld.engine.sampler import SamplingOptions
 from kestreld.model.load import load_model
 from kestreld.errors import BadRequest, PromptTooLong
 from modelgen import prompt_ids
@@ -106,8 +107,8 @@ def test_cancel_keeps_arena_consistent(model):
     e = engine(model, prefill_chunk=16)
     stops = iter([False, False, True])
     c = e.generate(ids, GREEDY, should_stop=lambda: next(stops, True))
-    assert c.finish_reason == "cancelled" and e.arena.cache_len == 32   # two chunks done
-    assert e.prefix.last_ids == ids[:32]
+    assert c.finish_reason == "cancelled" and e.kv.cache_len == 32   # two chunks done
+    assert list(e.kv.keys) == ids[:32]
     again = e.generate(ids, GREEDY)
     assert again.cached_tokens == 32
     assert again.ids == engine(model).generate(ids, GREEDY).ids
@@ -125,7 +126,7 @@ def test_error_in_callback_keeps_arena_consistent(model):
 
     with pytest.raises(RuntimeError):
         e.generate(ids, GREEDY, on_token=boom)
-    assert e.prefix.last_ids == (ids + [i for ev in calls for i in ev.ids])[:e.arena.cache_len]
+    assert list(e.kv.keys) == (ids + [i for ev in calls for i in ev.ids])[:e.kv.cache_len]
     assert e.generate(ids, GREEDY).ids == engine(model).generate(ids, GREEDY).ids
 
 
@@ -144,7 +145,7 @@ def test_seeded_sampling_repeats_and_logprobs(model):
 def test_text_that_cannot_fit_is_refused_before_tokenizing(model):
     e = engine(model, max_seq=64)
     limit = 64 * model.tokenizer.max_token_bytes
-    assert e.max_text_chars == limit
+    assert e.prompts.max_text_chars == limit
     assert e.tokenize("a" * limit)                                 # at the bound: tokenized
     with pytest.raises(PromptTooLong, match=f"at most {limit}"):
         e.tokenize("a" * (limit + 1))

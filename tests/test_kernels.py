@@ -450,39 +450,39 @@ def test_decode_step_equals_the_per_kernel_path_bit_for_bit(qwen, nthreads):
     """Transformer.forward on one token takes K.DecodeStep (all layers in one call); with
     logits_out it takes the per-kernel path. Same logits and same stored KV, bit for bit, at
     depths with one and with several attention splits."""
-    from kestreld.engine.arena import KVArena
-    from kestreld.engine.forward import Transformer
+    from kestreld.engine.forward import Forward
+    from kestreld.engine.kvcache import KVCache
     rng = np.random.default_rng(11)
     model = tiny_model(rng, qwen)
     c = model.config
-    arenas = [KVArena(c.n_layers, c.n_kv_heads, c.head_dim, 1024, 32) for _ in range(2)]
-    fused, per_kernel = (Transformer(model, a, 64, nthreads) for a in arenas)
+    caches = [KVCache.for_model(c, 1024, 32) for _ in range(2)]
+    fused, per_kernel = (Forward(model, kv, 64, nthreads) for kv in caches)
     assert fused.decode_step is not None
     prompt = rng.integers(0, c.vocab, size=600).tolist()
-    for tr in (fused, per_kernel):
+    for fwd in (fused, per_kernel):
         for p0 in range(0, 600, 64):
-            tr.forward(prompt[p0:p0 + 64], p0)
+            fwd(prompt[p0:p0 + 64])
     logits = np.empty((1, c.vocab), np.float32)
     # the last token turned by another RoPE position (Qwen3-VL text after images)
-    for pos, tok, rope_pos in zip([600, 601, 602, 603], rng.integers(0, c.vocab, size=4).tolist(),
-                                  [None, None, None, 590]):
-        got = fused.forward([tok], pos, rope_pos0=rope_pos).copy()
-        per_kernel.forward([tok], pos, logits_out=logits, rope_pos0=rope_pos)
+    for tok, rope_pos in zip(rng.integers(0, c.vocab, size=4).tolist(), [None, None, None, 590]):
+        got = fused([tok], rope_pos0=rope_pos).copy()
+        per_kernel([tok], logits_out=logits, rope_pos0=rope_pos)
         assert np.array_equal(got, logits), np.abs(got - logits).max()
         assert np.isfinite(got).all() and got.std() > 0
-    for a, b in zip(arenas[0].layer(1), arenas[1].layer(1)):
+    for a, b in zip(caches[0].layer(1), caches[1].layer(1)):
         assert np.array_equal(a[:, :604], b[:, :604])
     unturned = np.empty_like(logits)
-    per_kernel.forward([tok], 603, logits_out=unturned)
+    caches[1].truncate(603)
+    per_kernel([tok], logits_out=unturned)
     assert not np.array_equal(unturned, logits)
 
 
 def test_decode_step_rejects_bad_arguments():
-    from kestreld.engine.arena import KVArena
-    from kestreld.engine.forward import Transformer
+    from kestreld.engine.forward import Forward
+    from kestreld.engine.kvcache import KVCache
     model = tiny_model(np.random.default_rng(1), True)
     c = model.config
-    tr = Transformer(model, KVArena(c.n_layers, c.n_kv_heads, c.head_dim, 256, 32), 16, 1)
+    tr = Forward(model, KVCache.for_model(c, 256, 32), 16, 1)
     with pytest.raises(ValueError, match="token"):
         tr.decode_step.step(c.vocab, 0, tr.logits)
     with pytest.raises(ValueError, match="position"):

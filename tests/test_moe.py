@@ -29,7 +29,8 @@ from safetensors.numpy import load_file, save_file
 import modelgen_moe
 import reference
 from conftest import Transformers
-from kestreld.engine.generate import Engine, SamplingOptions
+from kestreld.engine.generate import Engine
+from kestreld.engine.sampler import SamplingOptions
 from kestreld.model.gguf_file import GGUFSource
 from kestreld.model.hf_dir import HFSource
 from kestreld.kernels import K
@@ -215,7 +216,7 @@ def test_gguf_router_left_float_counts_as_q8_0(moe_zoo):
 
 def _record_routing(engine: Engine) -> list:
     """Wraps the engine's MoE step to record each call's (n, k) expert choice."""
-    moe, calls = engine.transformer.moe, []
+    moe, calls = engine.forward.moe, []
     add = moe.add
 
     def recording_add(w, xn, x):
@@ -249,7 +250,7 @@ def test_logits_and_routing_match_transformers(moe_zoo, moe_hf, name, source, n)
     ids = modelgen_moe.prompt_ids(name, n, seed=1)
     engine = _engine(loaded, n + 64)
     calls = _record_routing(engine)
-    engine.arena.reset(0)
+    engine.kv.truncate(0)
     got = engine.forward_logits(ids, 0)
     ours = _per_layer(calls, len(layers))
 
@@ -287,7 +288,7 @@ def test_chunking_and_prefix_reuse_keep_greedy_tokens(moe_zoo):
     # decoding token by token == the argmax of one prefill over the whole sequence
     seq = ids + runs[256]
     engine = _engine(loaded, 300)
-    engine.arena.reset(0)
+    engine.kv.truncate(0)
     np.testing.assert_array_equal(engine.forward_logits(seq, 0)[len(ids) - 1:-1].argmax(-1),
                                   runs[256])
 
@@ -306,25 +307,25 @@ def test_decode_step_equals_the_per_kernel_path_bit_for_bit(moe_zoo, nthreads):
     """One token through Transformer.forward takes K.DecodeStep, which routes and runs the
     experts in C; with logits_out it takes the per-kernel path (moe.py). Same logits and the
     same stored KV, bit for bit, in a model with MoE and dense layers."""
-    from kestreld.engine.arena import KVArena
-    from kestreld.engine.forward import Transformer
+    from kestreld.engine.forward import Forward
+    from kestreld.engine.kvcache import KVCache
     loaded = load_model(str(moe_zoo.get("qwen3moe_norm").gguf["q8_0"]))
     c = loaded.config
     assert c.moe_layers and len(c.moe_layers) < c.n_layers
-    arenas = [KVArena(c.n_layers, c.n_kv_heads, c.head_dim, 512, 32) for _ in range(2)]
-    fused, per_kernel = (Transformer(loaded, a, 64, nthreads) for a in arenas)
+    caches = [KVCache.for_model(c, 512, 32) for _ in range(2)]
+    fused, per_kernel = (Forward(loaded, kv, 64, nthreads) for kv in caches)
     prompt = modelgen_moe.prompt_ids("qwen3moe_norm", 200, seed=5)
-    for tr in (fused, per_kernel):
+    for fwd in (fused, per_kernel):
         for p0 in range(0, 200, 64):
-            tr.forward(prompt[p0:p0 + 64], p0)
+            fwd(prompt[p0:p0 + 64])
     logits = np.empty((1, c.vocab), np.float32)
-    for pos, tok in zip(range(200, 206), modelgen_moe.prompt_ids("qwen3moe_norm", 6, seed=6)):
-        got = fused.forward([tok], pos).copy()
-        per_kernel.forward([tok], pos, logits_out=logits)
+    for tok in modelgen_moe.prompt_ids("qwen3moe_norm", 6, seed=6):
+        got = fused([tok]).copy()
+        per_kernel([tok], logits_out=logits)
         assert np.array_equal(got, logits), np.abs(got - logits).max()
         assert np.isfinite(got).all() and got.std() > 0
     for li in range(c.n_layers):
-        for a, b in zip(arenas[0].layer(li), arenas[1].layer(li)):
+        for a, b in zip(caches[0].layer(li), caches[1].layer(li)):
             assert np.array_equal(a[:, :206], b[:, :206])
 
 
@@ -383,7 +384,7 @@ def test_only_chosen_experts_become_resident(moe_zoo):
 
         before = [_resident_fraction(L.moe.up.data, fd) for L in loaded.weights.layers]
         assert max(before) < 0.05, before                  # loading touches no expert
-        engine.arena.reset(0)
+        engine.kv.truncate(0)
         engine.forward_logits([5], 0)
         check(_per_layer(calls, len(c.moe_layers)))
         engine.forward_logits(modelgen_moe.prompt_ids("qwen3moe_pages", 12, seed=9), 1)

@@ -11,8 +11,7 @@ def test_common_prefix_len():
 
 def test_hit_keeps_lcp():
     p = PrefixCache(True, 16)
-    p.commit(list(range(100)))
-    plan = p.plan(list(range(60)) + [999] * 10, cache_len=99)
+    plan = p.plan(list(range(60)) + [999] * 10, cached_keys=list(range(99)))
     assert plan.hit and plan.keep == 60 and plan.lcp == 60
     assert plan.log_line == "[KV-PREFIX] hit keep=60 prompt=70 prefill=10"
     assert p.stats()["hits"] == 1 and p.stats()["tokens_reused"] == 60
@@ -20,22 +19,19 @@ def test_hit_keeps_lcp():
 
 def test_keep_leaves_one_token_to_prefill():
     p = PrefixCache(True, 16)
-    p.commit(list(range(50)))
-    plan = p.plan(list(range(30)), cache_len=49)
-    assert plan.hit and plan.keep == 29
+    plan = p.plan(list(range(30)), cached_keys=list(range(49)))
+    assert plan.hit and plan.keep == 29 and plan.lcp == 30
 
 
 def test_keep_bounded_by_valid_cache():
-    p = PrefixCache(True, 16)
-    p.commit(list(range(50)))          # 50 ids but only 20 have KV (e.g. after a cancel)
-    plan = p.plan(list(range(40)), cache_len=20)
+    p = PrefixCache(True, 16)          # only 20 rows valid (e.g. after a cancel)
+    plan = p.plan(list(range(40)), cached_keys=list(range(20)))
     assert plan.keep == 20
 
 
 def test_short_lcp_is_miss():
     p = PrefixCache(True, 16)
-    p.commit(list(range(50)))
-    plan = p.plan(list(range(15)) + [7] * 30, cache_len=49)
+    plan = p.plan(list(range(15)) + [7] * 30, cached_keys=list(range(49)))
     assert not plan.hit and plan.keep == 0 and plan.lcp == 15
     assert plan.log_line == "[KV-PREFIX] miss lcp=15"
     assert p.stats()["misses"] == 1
@@ -43,6 +39,5 @@ def test_short_lcp_is_miss():
 
 def test_disabled_never_hits():
     p = PrefixCache(False, 16)
-    p.commit(list(range(50)))
-    plan = p.plan(list(range(50)), cache_len=49)
+    plan = p.plan(list(range(50)), cached_keys=list(range(49)))
     assert not plan.hit and plan.keep == 0 and "off" in plan.log_line

@@ -6,10 +6,10 @@ import math
 import msgpack
 import pytest
 
-from kestreld.engine.generate import Completion, SamplingOptions
+from kestreld.engine.sampler import SamplingOptions
 from kestreld.errors import BadRequest, TooLarge, UnknownMethod
 from kestreld.protocol import (ChatParams, FrameError, FrameReader, GenerateParams, NoParams,
-                               Notification, Request, Response, completion_result,
+                               Notification, Request, Response,
                                decode_message, encode_notification, encode_request,
                                encode_response, msgid_of, validate_params)
 
@@ -161,22 +161,3 @@ def test_malformed_bytes():
     assert isinstance(out[0].error, BadRequest)
     out = FrameReader(1000).feed(packed([0, 1, "ping", []]) + b"\x94\x00\x09\xc1")
     assert out[0] == [0, 1, "ping", []] and out[1].msgid == 9
-
-
-# ---------------------------------------------------------------- results
-
-def test_completion_result_map():
-    c = Completion(text="ab", ids=[5, 6], finish_reason="length", prompt_tokens=10,
-                   cached_tokens=4, prefill_tokens=6, completion_tokens=2, prefill_ms=30.0,
-                   decode_ms=500.0, ttft_ms=35.0, logprobs=None)
-    m = completion_result(c, queue_ms=1.5, ttft_ms=40.0)
-    assert m == {"text": "ab", "ids": [5, 6], "finish_reason": "length",
-                 "usage": {"prompt_tokens": 10, "cached_tokens": 4, "cached_source": None,
-                           "prefill_tokens": 6, "completion_tokens": 2},
-                 "timings": {"queue_ms": 1.5, "prefill_ms": 30.0, "decode_ms": 500.0,
-                             "ttft_ms": 40.0, "prefill_tok_s": 200.0, "decode_tok_s": 4.0}}
-    lp = [{"id": 5, "logprob": -0.1, "top": [[5, -0.1]]}]
-    c.logprobs = lp
-    assert completion_result(c, 0, 0)["logprobs"] == lp
-    c.extra["cached_source"] = "disk"
-    assert completion_result(c, 0, 0)["usage"]["cached_source"] == "disk"

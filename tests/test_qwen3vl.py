@@ -17,9 +17,12 @@ import numpy as np
 import pytest
 
 import modelgen_vl
-from kestreld.engine.arena import KVArena
+from modelgen_vl import chat_prompt
+from kestreld.engine.kvcache import KVCache, KVLayout
 from kestreld.engine.forward import rope_tables
-from kestreld.engine.generate import Engine, SamplingOptions
+from kestreld.engine.generate import Engine
+from kestreld.engine.prompt import Prompt
+from kestreld.engine.sampler import SamplingOptions
 from kestreld.model.hf_dir import _vl_text_config
 from kestreld.vision.images import decode_image, preprocess
 from kestreld.model.load import load_model
@@ -79,7 +82,7 @@ def test_kv_figures_of_qwen3vl_2b():
                           "rope_theta": 5000000}}
     flat = _vl_text_config(hf, "config.json")
     assert flat["mrope_section"] == [24, 20, 20] and flat["tie_word_embeddings"] is True
-    arena = KVArena(flat["num_hidden_layers"], flat["num_key_value_heads"], flat["head_dim"], 8192)
+    arena = KVCache(KVLayout(flat["num_hidden_layers"], flat["num_key_value_heads"], flat["head_dim"], 8192))
     assert arena.bytes_per_token_layer == 2112
     assert arena.nbytes == 484_442_112
 
@@ -177,13 +180,13 @@ def test_generation_with_an_image_and_prefix_reuse(vl):
     engine = Engine(model, max_seq=320, threads=2, prefill_chunk=64)
     opts = SamplingOptions(max_tokens=12, ignore_eos=True)
     a, b = vl["images"][1], modelgen_vl.test_image(7, 150, 130)
-    ids, vp = engine.chat_prompt(_chat(a, QUESTION))
-    first = engine.generate(ids, opts, vision=vp)
-    assert first.extra["images"] == 1 and first.extra["visual_tokens"] == 20
+    ids, vp = chat_prompt(engine, _chat(a, QUESTION))
+    first = engine.generate(Prompt(ids, vp), opts)
+    assert first.images.images == 1 and first.images.visual_tokens == 20
     assert len(first.ids) == 12
 
     # decode (positions index + delta) == a prefill over prompt + generated
-    raw = engine.tokenize(engine.render_chat(
+    raw = engine.tokenize(engine.prompts.render_chat(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]))
     seq, vseq = build_prompt(raw + first.ids[:-1], [preprocess(decode_image(a), model.vision.cfg.image)],
                              model.vision.cfg)
@@ -192,17 +195,17 @@ def test_generation_with_an_image_and_prefix_reuse(vl):
     logits = engine.forward_logits(seq, 0, vision=vseq)
     np.testing.assert_array_equal(logits[len(ids) - 1:].argmax(-1), first.ids)
 
-    ids2, vp2 = engine.chat_prompt(_chat(a, QUESTION))
-    engine.generate(ids, opts, vision=vp)                       # state: last request = a
-    hit = engine.generate(ids2, opts, vision=vp2)
+    ids2, vp2 = chat_prompt(engine, _chat(a, QUESTION))
+    engine.generate(Prompt(ids, vp), opts)                       # state: last request = a
+    hit = engine.generate(Prompt(ids2, vp2), opts)
     assert hit.cached_tokens >= vp2.spans[0][1] and hit.ids == first.ids
-    assert hit.extra["images_encoded"] == 0
+    assert hit.images.encoded == 0
 
-    ids3, vp3 = engine.chat_prompt(_chat(b, QUESTION))
+    ids3, vp3 = chat_prompt(engine, _chat(b, QUESTION))
     assert ids3 == ids2                                          # same ids, other pixels
-    miss = engine.generate(ids3, opts, vision=vp3)
+    miss = engine.generate(Prompt(ids3, vp3), opts)
     assert miss.cached_tokens <= vp3.spans[0][0]
-    assert miss.extra["images_encoded"] == 1
+    assert miss.images.encoded == 1
 
 
 def test_text_prompt_with_placeholders_but_no_image_is_refused(vl):
@@ -226,7 +229,7 @@ def test_bad_images_are_clear_errors(vl, tmp_path):
     }
     for data, message in cases.items():
         with pytest.raises(BadRequest, match=message):
-            engine.chat_prompt(_chat(data, "hi"))
+            chat_prompt(engine, _chat(data, "hi"))
     images = tmp_path / "images"
     images.mkdir()
     good = images / "good.png"
@@ -245,13 +248,13 @@ def test_bad_images_are_clear_errors(vl, tmp_path):
                           (str(images), "not a regular file"),
                           (str(images / "fifo.png"), "not a regular file")):
         with pytest.raises(BadRequest, match=message):
-            confined.chat_prompt(part(path))
+            chat_prompt(confined, part(path))
     for path in (str(secret), str(images / "link.png"), str(images / ".." / "secret.png")):
         with pytest.raises(PermissionDenied, match="outside the image directory"):
-            confined.chat_prompt(part(path))
+            chat_prompt(confined, part(path))
     with pytest.raises(PermissionDenied, match="not accepted"):
-        engine.chat_prompt(part(str(good)))                       # no --image-dir: no paths
-    ids, vp = confined.chat_prompt(part(str(good)))
+        chat_prompt(engine, part(str(good)))                       # no --image-dir: no paths
+    ids, vp = chat_prompt(confined, part(str(good)))
     assert vp.visual_tokens == 6
 
 
@@ -295,8 +298,8 @@ def test_chat_with_an_image_through_the_daemon(vl, tmp_path):
     image = tmp_path / "picture.png"
     image.write_bytes(vl["images"][0])
     engine = Engine(vl["model"], max_seq=512, threads=1)
-    ids, vp = engine.chat_prompt(_chat(vl["images"][0], QUESTION))
-    want = engine.generate(ids, SamplingOptions(max_tokens=8, ignore_eos=True), vision=vp)
+    ids, vp = chat_prompt(engine, _chat(vl["images"][0], QUESTION))
+    want = engine.generate(Prompt(ids, vp), SamplingOptions(max_tokens=8, ignore_eos=True))
 
     with Daemon(tmp_path / "k.sock", "--cache-dir", str(tmp_path / "cache"),
                 model=str(vl["gen"].dir)) as d:

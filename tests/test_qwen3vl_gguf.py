@@ -20,10 +20,13 @@ import numpy as np
 import pytest
 
 import modelgen_vl
+from modelgen_vl import chat_prompt
 from kestreld.model.convert import _field_value
 from kestreld.model.convert_vl import convert_qwen3vl, main as convert_main
 from kestreld.engine.diskkv import kv_fingerprint
-from kestreld.engine.generate import Engine, SamplingOptions
+from kestreld.engine.generate import Engine
+from kestreld.engine.prompt import Prompt
+from kestreld.engine.sampler import SamplingOptions
 from kestreld.vision.images import decode_image, preprocess
 from kestreld.model.load import load_model
 from kestreld.vision.mmproj import PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
@@ -118,7 +121,7 @@ def test_text_gguf_without_mmproj_is_text_only(vl, caplog):
     engine = Engine(model, max_seq=256, threads=1)
     assert len(engine.generate(engine.tokenize("hello"), SamplingOptions(max_tokens=3)).ids) <= 3
     with pytest.raises(BadRequest, match="takes no images.*--mmproj"):
-        engine.chat_prompt(_chat(vl["images"][0], QUESTION))
+        chat_prompt(engine, _chat(vl["images"][0], QUESTION))
 
 
 def test_a_cached_q8_0_conversion_keeps_the_pair_working(vl, tmp_path):
@@ -200,8 +203,8 @@ def test_greedy_ids_with_an_image_equal_the_hf_dir(vl):
     outs = []
     for model in (vl["gguf"], vl["hf"]):
         engine = Engine(model, max_seq=320, threads=2, prefill_chunk=64)
-        ids, vp = engine.chat_prompt(_chat(vl["images"][1], QUESTION))
-        outs.append((ids, engine.generate(ids, opts, vision=vp).ids))
+        ids, vp = chat_prompt(engine, _chat(vl["images"][1], QUESTION))
+        outs.append((ids, engine.generate(Prompt(ids, vp), opts).ids))
     assert outs[0] == outs[1] and len(outs[0][1]) == 12
 
 
@@ -291,8 +294,8 @@ def test_chat_with_an_image_through_the_daemon(vl, tmp_path):
     from daemon import Daemon
 
     engine = Engine(vl["hf"], max_seq=512, threads=1)
-    ids, vp = engine.chat_prompt(_chat(vl["images"][0], QUESTION))
-    want = engine.generate(ids, SamplingOptions(max_tokens=8, ignore_eos=True), vision=vp)
+    ids, vp = chat_prompt(engine, _chat(vl["images"][0], QUESTION))
+    want = engine.generate(Prompt(ids, vp), SamplingOptions(max_tokens=8, ignore_eos=True))
     text, mmproj = vl["pairs"]["f32"]
     with Daemon(tmp_path / "k.sock", "--mmproj", mmproj, "--cache-dir", str(tmp_path / "cache"),
                 model=text) as d:

@@ -1,7 +1,7 @@
 """Sampler: greedy, penalties, truncations, seeds, log-probabilities against numpy."""
 import numpy as np
 
-from kestreld.engine.generate import SamplingOptions
+from kestreld.engine.sampler import SamplingOptions
 from kestreld.engine.sampler import Sampler, log_softmax
 
 

@@ -7,10 +7,11 @@ import threading
 
 import pytest
 
-from kestreld.engine.generate import Completion, SamplingOptions, TokenEvent
+from kestreld.engine.generate import Completion, TokenEvent
+from kestreld.engine.prompt import TextInput
+from kestreld.engine.sampler import SamplingOptions
 from kestreld.errors import BadRequest
-from kestreld.protocol import ChatParams, GenerateParams
-from kestreld.service.scheduler import Done, Failed, Job, Progress, Scheduler, Token, prompt_input
+from kestreld.service.scheduler import Done, Failed, Job, Progress, Scheduler, Token
 
 
 class ScriptedEngine:
@@ -19,23 +20,14 @@ class ScriptedEngine:
     def __init__(self):
         self.gate = threading.Event()
         self.gate.set()
-        self.started = []                 # prompt ids of each generate call, in order
+        self.started = []                 # the prompt text of each run, in order
         self.loop_thread = None
         self.worker_threads = set()
         self.fail_with = None
 
-    def tokenize(self, text, add_special=False):
-        return [len(text), int(add_special)]
-
-    def render_chat(self, messages, enable_thinking=False):
-        return "|".join(m["content"] for m in messages) + ("T" if enable_thinking else "")
-
-    def chat_prompt(self, messages, enable_thinking=False):
-        return self.tokenize(self.render_chat(messages, enable_thinking)), None
-
-    def generate(self, ids, opts, on_token=None, on_progress=None, should_stop=None, vision=None):
+    def run(self, request, opts, on_token=None, on_progress=None, should_stop=None):
         self.worker_threads.add(threading.get_ident())
-        self.started.append(list(ids))
+        self.started.append(request.text)
         if self.fail_with is not None:
             raise self.fail_with
         out, finish = [], "length"
@@ -47,15 +39,16 @@ class ScriptedEngine:
             out.append(i)
             on_token(TokenEvent([i], f"t{i}"))
         return Completion(text="".join(f"t{i}" for i in out), ids=out, finish_reason=finish,
-                          prompt_tokens=len(ids), cached_tokens=0, prefill_tokens=len(ids),
-                          completion_tokens=len(out), prefill_ms=1.0, decode_ms=2.0, ttft_ms=1.0)
+                          prompt_tokens=len(request.text), cached_tokens=0, cached_source=None,
+                          prefill_tokens=len(request.text), completion_tokens=len(out),
+                          prefill_ms=1.0, decode_ms=2.0, ttft_ms=1.0)
 
 
 def make_job(conn, msgid, events, max_tokens=3, stream=True, prompt="abc"):
     def on_event(ev):
         events.append((threading.get_ident(), msgid, ev))
-    return Job(conn_id=conn, msgid=msgid, params=GenerateParams(prompt, None, {}, stream),
-               options=SamplingOptions(max_tokens=max_tokens), on_event=on_event)
+    return Job(conn_id=conn, msgid=msgid, request=TextInput(text=prompt),
+               options=SamplingOptions(max_tokens=max_tokens), stream=stream, on_event=on_event)
 
 
 async def until(predicate, timeout=5.0):
@@ -96,7 +89,7 @@ def test_fifo_events_on_loop_thread_and_stream_flag():
         assert sched.stats() == {"busy": True, "active": 1, "queued": 2, "total_requests": 3}
         engine.gate.set()
         await until(lambda: len(finals(events)) == 3)
-        assert engine.started == [[1, 1], [2, 1], [3, 1]]       # FIFO; prompts with add_special
+        assert engine.started == ["a", "bb", "ccc"]                 # FIFO
         assert {t for t, _, _ in events} == {loop_thread}       # delivered on the loop thread
         assert loop_thread not in engine.worker_threads
         tokens = {m: [ev.event.text for _, mm, ev in events if mm == m and isinstance(ev, Token)]
@@ -191,12 +184,3 @@ def test_engine_errors_become_failures_and_the_worker_survives():
         await until(lambda: 3 in finals(events))
         assert isinstance(finals(events)[3], Done)
     run(scenario)
-
-
-def test_prompt_input():
-    eng = ScriptedEngine()
-    assert prompt_input(eng, GenerateParams(None, (4, 5), {}, True)) == ([4, 5], None)
-    assert prompt_input(eng, GenerateParams("hello", None, {}, True)) == ([5, 1], None)
-    chat = ChatParams(({"role": "user", "content": "ab"}, {"role": "user", "content": "c"}),
-                      True, {}, True)
-    assert prompt_input(eng, chat) == ([len("ab|cT"), 0], None)          # template text has its specials

@@ -328,7 +328,7 @@ def test_slow_reader_gets_its_requests_cancelled_instead_of_buffering():
     before = conn.transport.unsent
     conn._on_job_event(5, TokenEv(TokenEvent([1], "x" * 100)))
     assert conn.transport.unsent == before                      # notifications dropped
-    c = Completion("x", [1], "cancelled", 1, 0, 1, 1, 1.0, 1.0, 1.0)
+    c = Completion("x", [1], "cancelled", 1, 0, None, 1, 1, 1.0, 1.0, 1.0)
     conn._on_job_event(5, Done(c, 0.0, 0.0))
     assert conn.transport.unsent > before and 5 not in conn.jobs   # the answer still goes out
 

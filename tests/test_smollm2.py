@@ -14,7 +14,8 @@ import pytest
 
 from kestreld.service.config import default_cache_dir
 from kestreld.model.convert import smollm2_q8_0_path
-from kestreld.engine.generate import Engine, SamplingOptions
+from kestreld.engine.generate import Engine
+from kestreld.engine.sampler import SamplingOptions
 from kestreld.model.load import load_model
 
 GOLDEN_PATH = os.path.join(os.path.dirname(__file__), "golden", "smollm2_llamacpp.json")
@@ -63,7 +64,7 @@ def test_chat_template_and_prompt_ids_equal_llamacpp(engine, model):
     for case in GOLDEN["continuations"]:
         messages = [{"role": "system", "content": GOLDEN["system"]},
                     {"role": "user", "content": case["user"]}]
-        assert engine.render_chat(messages) == case["prompt"]
+        assert engine.prompts.render_chat(messages) == case["prompt"]
         assert model.tokenizer.encode(case["prompt"]) == case["prompt_ids"]
 
 

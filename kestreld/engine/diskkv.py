@@ -45,7 +45,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import StartupError
-from .arena import kv_bytes_per_token_layer
+from .kvcache import KVCache, KVLayout
 from .prefix import common_prefix_len
 
 log = logging.getLogger("kestreld.diskkv")
@@ -69,19 +69,6 @@ CLOSE_WAIT_S = 10.0              # at shutdown: for the writer's queue (within T
 
 
 # ---------------------------------------------------------------- identity of the KV
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The arena's shape; a snapshot is only ever loaded into the same one."""
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    max_seq: int
-
-    def row_bytes(self) -> int:
-        """Bytes of one token's K, V and scales over all layers."""
-        return self.n_layers * kv_bytes_per_token_layer(self.n_kv_heads, self.head_dim)
-
 
 def model_identity(path: str) -> bytes:
     """Size, mtime and a hash of the head and tail of the model file (of every file of a
@@ -118,9 +105,10 @@ def kv_fingerprint(model, max_seq: int) -> bytes:
 # ---------------------------------------------------------------- the file format
 
 def _payload_sizes(layout: KVLayout, rows: int) -> tuple[int, int]:
-    """(bytes of k_q, bytes of k_s) for `rows` tokens; the payload is k_q v_q k_s v_s."""
-    q = layout.n_layers * layout.n_kv_heads * rows * layout.head_dim
-    return q, layout.n_layers * layout.n_kv_heads * rows * 4
+    """(bytes of k_q, bytes of k_s) for `rows` tokens; the payload is k_q v_q k_s v_s, in
+    the arena's layout (KVLayout.rows_shapes)."""
+    q_shape, _, s_shape, _ = layout.rows_shapes(rows)
+    return int(np.prod(q_shape)), int(np.prod(s_shape)) * 4
 
 
 def _payload_offset(n_tokens: int) -> int:
@@ -225,13 +213,13 @@ class DiskKV:
 
     # ------------------------------------------------------------ engine thread
 
-    def restore(self, ids, arena) -> int:
-        """Copy into the arena, after its valid cache, the rows of the snapshot with the
-        longest common prefix with the prompt `ids`; returns the new cache_len, or 0 if the
-        disk holds nothing better than the memory (arena.cache_len) or nothing verified."""
-        self._check_arena(arena)
-        have = arena.cache_len
-        prompt = np.asarray(ids, dtype=np.int64)
+    def restore(self, keys, kv: KVCache) -> bool:
+        """Copy into the KV cache, after its valid rows, the rows of the snapshot with the
+        longest common prefix with the prompt's `keys`; True if it did, False if the disk
+        holds nothing better than the memory (kv.cache_len) or nothing verified."""
+        self._check_layout(kv)
+        have = kv.cache_len
+        prompt = np.asarray(keys, dtype=np.int64)
         with self._lock:
             best, lcp = self._best(prompt, written_only=True)
             chain = self._chain(best) if best is not None else []
@@ -240,28 +228,29 @@ class DiskKV:
             if have == 0:
                 self._count(misses=1)
                 log.info("[KV-DISK] miss lcp=%d", lcp)
-            return 0
+            return False
         t0 = time.perf_counter()
-        nread = self._load(chain, prompt, have, keep, arena)
-        if nread is None:
+        rows = self._load(chain, prompt, have, keep)
+        if rows is None:
             self._count(misses=1)
-            return 0
-        arena.cache_len = keep
+            return False
+        block, nread = rows
+        kv.restore(have, prompt[:keep].tolist(), block)
         self._touch(chain)
         self._count(hits=1, bytes_read=nread)
         log.info("[KV-DISK] hit keep=%d prompt=%d prefill=%d file=%s (+%d parents) "
                  "read=%.1f MB in %.0f ms", keep, len(prompt), len(prompt) - keep, best.name,
                  len(chain) - 1, nread / 1e6, (time.perf_counter() - t0) * 1e3)
-        return keep
+        return True
 
-    def save(self, ids, arena) -> None:
-        """After a request: hand the writer the rows of `ids` (the tokens whose KV is valid
-        in the arena, in order) that no snapshot holds yet. They are copied out of the arena
-        here, so the next request may overwrite it at once; this never waits for the disk."""
-        self._check_arena(arena)
-        new = np.asarray(ids, dtype=np.int64)
+    def save(self, kv: KVCache) -> None:
+        """After a request: hand the writer the rows of the KV cache that no snapshot holds
+        yet. They are copied out of the arena here, so the next request may overwrite it at
+        once; this never waits for the disk."""
+        self._check_layout(kv)
+        new = np.asarray(kv.keys, dtype=np.int64)
         n = len(new)
-        if n < self.prefix_min or n > arena.cache_len:
+        if n < self.prefix_min:
             return
         with self._lock:
             parent, lcp = self._best(new, written_only=False)
@@ -287,8 +276,7 @@ class DiskKV:
         self._touch(chain)
         if entry is None:
             return
-        rows = [np.ascontiguousarray(a[:, :, entry.base:n])
-                for a in (arena.k_q, arena.v_q, arena.k_s, arena.v_s)]
+        rows = kv.copy_rows(entry.base, n)
         try:
             self._queue.put_nowait((entry, rows))
         except queue.Full:
@@ -455,15 +443,19 @@ class DiskKV:
         return Snapshot(name, np.frombuffer(ids, dtype="<i8").astype(np.int64), h.base, h.parent,
                         st.st_size, st.st_mtime_ns, ours)
 
-    def _load(self, chain: list, prompt: np.ndarray, lo: int, hi: int, arena) -> Optional[int]:
-        """Copy rows [lo, hi) of the chain into the arena, each file verified first; bytes
-        read, or None if a file is missing or bad (it and its children are then removed)."""
+    def _load(self, chain: list, prompt: np.ndarray, lo: int, hi: int) -> Optional[tuple]:
+        """Rows [lo, hi) of the chain, each file verified first: ((k_q, v_q, k_s, v_s),
+        bytes read), or None if a file is missing or bad (it and its children are then
+        removed)."""
+        shapes = self.layout.rows_shapes(hi - lo)
+        block = tuple(np.empty(shape, dtype) for shape, dtype in
+                      zip(shapes, (np.int8, np.int8, np.float32, np.float32)))
         nread = 0
         for s in chain:
             a, b = max(lo, s.base), hi
             if a < b:
                 try:
-                    nread += self._copy_rows(s, prompt, a, b, arena)
+                    nread += self._copy_rows(s, prompt, a, b, block, lo)
                 except (OSError, ValueError) as e:
                     log.warning("[KV-DISK] %s not used (%s): removed", s.name,
                                 getattr(e, "strerror", None) or e)
@@ -476,11 +468,12 @@ class DiskKV:
             hi = min(hi, s.base)
             if hi <= lo:
                 break
-        return nread
+        return block, nread
 
-    def _copy_rows(self, s: Snapshot, prompt: np.ndarray, a: int, b: int, arena) -> int:
+    def _copy_rows(self, s: Snapshot, prompt: np.ndarray, a: int, b: int, block: tuple,
+                   lo: int) -> int:
         """Verify one file against its index entry and the prompt, then copy its rows [a, b)
-        into the arena from a read-only memory map. Returns the file's size."""
+        into `block` (rows from `lo` on) from a read-only memory map. Returns the file's size."""
         fd = self._open(s.name)
         try:
             size = os.fstat(fd).st_size
@@ -498,18 +491,15 @@ class DiskKV:
         off = _payload_offset(h.n_tokens)
         if zlib.crc32(memoryview(mm)[off:off + h.payload_bytes]) != h.payload_crc:
             raise ValueError("payload checksum mismatch")
-        L, H, D = h.layout
         m = h.n_tokens - h.base
+        shapes = self.layout.rows_shapes(m)
         q, sc = _payload_sizes(self.layout, m)
-        k_q = np.frombuffer(mm, np.int8, q, off).reshape(L, H, m, D)
-        v_q = np.frombuffer(mm, np.int8, q, off + q).reshape(L, H, m, D)
-        k_s = np.frombuffer(mm, np.float32, q // D, off + 2 * q).reshape(L, H, m)
-        v_s = np.frombuffer(mm, np.float32, q // D, off + 2 * q + sc).reshape(L, H, m)
+        offsets = (off, off + q, off + 2 * q, off + 2 * q + sc)
         r0, r1 = a - h.base, b - h.base
-        arena.k_q[:, :, a:b] = k_q[:, :, r0:r1]
-        arena.v_q[:, :, a:b] = v_q[:, :, r0:r1]
-        arena.k_s[:, :, a:b] = k_s[:, :, r0:r1]
-        arena.v_s[:, :, a:b] = v_s[:, :, r0:r1]
+        for dst, shape, dtype, o in zip(block, shapes, (np.int8, np.int8, np.float32, np.float32),
+                                        offsets):
+            src = np.frombuffer(mm, dtype, int(np.prod(shape)), o).reshape(shape)
+            dst[:, :, a - lo:b - lo] = src[:, :, r0:r1]
         return size          # the map goes with its last view (no close: views may outlive it)
 
     def _touch(self, chain: list) -> None:
@@ -615,7 +605,6 @@ class DiskKV:
             for k, v in deltas.items():
                 self._counts[k] += v
 
-    def _check_arena(self, arena) -> None:
-        got = KVLayout(arena.n_layers, arena.n_kv_heads, arena.head_dim, arena.max_seq)
-        if got != self.layout:
-            raise ValueError(f"disk KV store made for {self.layout}, given an arena of {got}")
+    def _check_layout(self, kv: KVCache) -> None:
+        if kv.layout != self.layout:
+            raise ValueError(f"disk KV store made for {self.layout}, given a cache of {kv.layout}")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arena import KVArena
 from ..kernels import K
+from .kvcache import KVCache
 from ..model.load import LoadedModel
 from ..model.weights import Q8Matrix
 from .moe import MoEFeedForward
@@ -38,14 +38,16 @@ class _Scratch:
         return self._bufs[name][: n * k].reshape(n, k)
 
 
-class Transformer:
-    """The model's forward pass; writes K/V into the arena at the positions it computes."""
+class Forward:
+    """The model's forward pass over a KV cache: each call runs tokens after the cache's
+    valid rows, writes their KV there and appends their keys."""
 
-    def __init__(self, model: LoadedModel, arena: KVArena, max_chunk: int, threads: int):
+    def __init__(self, model: LoadedModel, kv: KVCache, max_chunk: int, threads: int):
+        arena = kv
         c = model.config
         self.cfg = c
         self.w = model.weights
-        self.arena = arena
+        self.kv = kv
         self.max_chunk = max_chunk
         self.threads = threads
         self.q_dim = c.n_heads * c.head_dim
@@ -96,9 +98,10 @@ class Transformer:
         return out
 
     # ---- the pass -----------------------------------------------------------------
-    def forward(self, ids, pos0: int, logits_out: np.ndarray | None = None,
-                vision: ChunkVision | None = None, rope_pos0: int | None = None) -> np.ndarray:
-        """Run tokens `ids` (n <= max_chunk) at positions pos0.. and store their KV.
+    def __call__(self, ids, keys=None, logits_out: np.ndarray | None = None,
+                 vision: ChunkVision | None = None, rope_pos0: int | None = None) -> np.ndarray:
+        """Run tokens `ids` (n <= max_chunk) at positions pos0 = cache_len.., store their
+        KV and append `keys` (default: the ids) to the cache.
 
         `vision` (Qwen3-VL, a prompt with images): the chunk's M-RoPE positions (3, n), which
         replace pos0.. in RoPE (the KV still goes to pos0..), and its visual tokens' input
@@ -107,12 +110,18 @@ class Transformer:
 
         Returns logits of the last token (1, vocab), or fills `logits_out` (n, vocab)
         with every position's logits when given (tests and diagnostics)."""
+        pos0 = self.kv.cache_len
+        logits = self._forward(ids, pos0, logits_out, vision, rope_pos0)
+        self.kv.append(ids if keys is None else keys)
+        return logits
+
+    def _forward(self, ids, pos0, logits_out, vision, rope_pos0):
         c, s, t = self.cfg, self.s, self.threads
         n = len(ids)
         if not 0 < n <= self.max_chunk:
             raise ValueError(f"chunk of {n} tokens; 1..{self.max_chunk} allowed")
-        if pos0 + n > self.arena.max_seq:
-            raise ValueError(f"positions up to {pos0 + n} exceed max_seq={self.arena.max_seq}")
+        if pos0 + n > self.kv.max_seq:
+            raise ValueError(f"positions up to {pos0 + n} exceed max_seq={self.kv.max_seq}")
         if rope_pos0 is None:
             rope_pos0 = pos0
         if n == 1 and logits_out is None and vision is None:
@@ -145,10 +154,10 @@ class Transformer:
             k3 = k.reshape(n, c.n_kv_heads, c.head_dim)
             K.rope(q3, rope_cos, rope_sin, rope_pos0, c.rope_neox, t)
             K.rope(k3, rope_cos, rope_sin, rope_pos0, c.rope_neox, t)
-            kq, ks, vq, vs = self.arena.layer(li)
+            kq, ks, vq, vs = self.kv.layer(li)
             K.kv_store(k3, v.reshape(n, c.n_kv_heads, c.head_dim), kq, ks, vq, vs, pos0, t)
             att = s.get("att", n, self.q_dim)
-            K.attention(q3, kq, ks, vq, vs, pos0, self.scale, self.arena.kv_bs,
+            K.attention(q3, kq, ks, vq, vs, pos0, self.scale, self.kv.kv_bs,
                         att.reshape(n, c.n_heads, c.head_dim), t)
             proj = self._matmul(L.wo, att, s.get("proj", n, c.hidden))
             x += proj

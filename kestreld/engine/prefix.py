@@ -1,12 +1,14 @@
-"""The prefix rule: how much of the previous request's KV a new prompt may keep.
+"""The prefix rule: how much of the KV cache a new prompt may keep. This is its one place.
 
-    lcp  = longest common prefix of the prompt's ids and `last_ids`
-    keep = min(lcp, len(prompt) - 1, cache_len)   at least one token is prefilled for logits
+    lcp  = longest common prefix of the prompt's keys and the cache's keys (the previous
+           prompt and the generated tokens fed back: every token whose KV the arena holds)
+    keep = min(lcp, len(prompt) - 1)   at least one token is prefilled, for its logits
     hit  if reuse is enabled and keep >= min_match (16, as in the design source),
-         else miss: cache_len = 0 and the old bytes are simply overwritten.
+         else miss: keep = 0, and the old bytes are simply overwritten.
 
-After a request `last_ids` is prompt + generated ids; after a cancel or an error only
-the ids whose KV is really in the arena (the first cache_len of them).
+The cache's keys are exactly the tokens whose KV is valid (engine/kvcache.py), so after a
+cancel or an error only what was really written can match. (The last sampled token of a
+request has no KV yet: it never counts.)
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def common_prefix_len(a, b) -> int:
     return int(diff[0]) if diff.size else n
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefixPlan:
     keep: int       # tokens of KV reused
     lcp: int
@@ -33,35 +35,27 @@ class PrefixPlan:
 
 
 class PrefixCache:
-    """Remembers `last_ids` and counts hits; the arena itself holds the KV."""
+    """Applies the rule and counts hits and misses; the KV cache holds the keys and the KV."""
 
     def __init__(self, enabled: bool = True, min_match: int = 16):
         self.enabled = enabled
         self.min_match = min_match
-        self.last_ids: list = []
         self.hits = 0
         self.misses = 0
         self.tokens_reused = 0
 
-    def plan(self, prompt_ids, cache_len: int) -> PrefixPlan:
-        """Decide how many tokens of KV the prompt keeps, and count the hit or miss."""
-        lcp = common_prefix_len(prompt_ids, self.last_ids)
-        keep = min(lcp, len(prompt_ids) - 1, cache_len)
+    def plan(self, prompt_keys, cached_keys) -> PrefixPlan:
+        """How many tokens of the cache the prompt keeps; counts the hit or miss."""
+        lcp = common_prefix_len(prompt_keys, cached_keys)
+        keep = min(lcp, len(prompt_keys) - 1)
         if self.enabled and keep >= self.min_match:
             self.hits += 1
             self.tokens_reused += keep
-            line = f"[KV-PREFIX] hit keep={keep} prompt={len(prompt_ids)} prefill={len(prompt_ids) - keep}"
+            line = f"[KV-PREFIX] hit keep={keep} prompt={len(prompt_keys)} prefill={len(prompt_keys) - keep}"
             return PrefixPlan(keep, lcp, True, line)
         self.misses += 1
         why = "" if self.enabled else " (prefix reuse off)"
         return PrefixPlan(0, lcp, False, f"[KV-PREFIX] miss lcp={lcp}{why}")
-
-    def commit(self, ids) -> None:
-        """Record the ids behind the arena's KV (prompt + generated, or the valid part)."""
-        self.last_ids = list(ids)
-
-    def forget(self) -> None:
-        self.last_ids = []
 
     def stats(self) -> dict:
         return {"enabled": self.enabled, "min_match": self.min_match, "hits": self.hits,

@@ -6,11 +6,27 @@ Log-probabilities are those of the model (log-softmax of the raw logits).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import numpy as np
 
-from .generate import SamplingOptions
-
 REPEAT_WINDOW = 64   # tokens looked back by the repeat penalty (llama.cpp's default)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Per-request generation options (validated at the edge before they get here)."""
+    max_tokens: int = 256
+    temperature: float = 0.0        # 0: greedy
+    top_k: int = 0                  # 0: off
+    top_p: float = 1.0              # 1: off
+    min_p: float = 0.0              # 0: off
+    repeat_penalty: float = 1.0     # 1: off (llama.cpp's rule, over the last 64 tokens)
+    seed: Optional[int] = None
+    stop: tuple = ()                # stop strings; the text ends before the first match
+    ignore_eos: bool = False
+    logprobs: int = 0               # top-k log-probabilities per generated token
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

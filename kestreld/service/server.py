@@ -1,11 +1,10 @@
-"""The socket side: a Unix stream socket, MessagePack-RPC framing, validation, dispatch.
+"""The RPC transport: a Unix stream socket, MessagePack-RPC framing, flow control.
 
 Each connection is an asyncio Protocol on the event-loop thread. Bytes go through a
-`FrameReader` (message size bound), objects through `decode_message` and
-`validate_params` into typed values; `generate`/`chat` become scheduler Jobs, the other
-methods are answered here at once (tokenize/detokenize in a small side executor, never
-waiting for the engine thread). Job events come back on the loop thread and are written
-as `token`/`progress` notifications and one final response.
+`FrameReader` (message size bound), objects through `decode_message`; requests go to the
+methods (methods.py: validation, then a scheduler Job, a side-executor answer, or an answer
+at once). Job events come back on the loop thread and are written as `token`/`progress`
+notifications and one final response.
 """
 from __future__ import annotations
 
@@ -21,15 +20,12 @@ import stat
 import struct
 from typing import Callable, Optional
 
+from ..errors import BadRequest, KestrelError, StartupError, internal
+from ..protocol import (PROGRESS, TOKEN, FrameError, FrameReader, Request, decode_message,
+                        encode_notification, encode_response, msgid_of)
 from .config import Config
-from ..engine.generate import SamplingOptions
-from ..errors import BadRequest, InternalError, KestrelError, StartupError
-from ..protocol import (ENGINE_METHODS, PROGRESS, TOKEN, CancelParams, DetokenizeParams,
-                       FrameError, FrameReader, Request, TokenizeParams, completion_result,
-                       decode_message, encode_notification, encode_response, msgid_of,
-                       validate_params)
-from .scheduler import Done, Failed, Job, Progress, Scheduler, Token
-from .status import StatusReporter
+from .methods import ASIDE, JOB, Methods, completion_result
+from .scheduler import Done, Failed, Progress, Token
 
 log = logging.getLogger("kestreld.service.server")
 
@@ -196,41 +192,24 @@ class Connection(asyncio.Protocol):
             return
         try:
             self._on_request(msg)
-        except KestrelError as e:
-            self.reply(msg.msgid, error=e)
         except Exception as e:          # a bug here must not kill the connection or daemon
-            log.exception("connection %d msgid %d: internal error", self.id, msg.msgid)
-            self.reply(msg.msgid, error=InternalError(f"internal error: {type(e).__name__}: {e}"))
+            if not isinstance(e, KestrelError):
+                log.exception("connection %d msgid %d: internal error", self.id, msg.msgid)
+            self.reply(msg.msgid, error=internal(e))
 
     def _on_request(self, req: Request) -> None:
-        server = self.server
-        params = validate_params(req.method, req.params, server.engine.vocab_size,
-                                 server.engine.arena.max_seq)
-        if req.method in ENGINE_METHODS:
-            self._submit(req.msgid, params)
-        elif req.method == "ping":
-            self.reply(req.msgid, {"ok": True, "pid": os.getpid()})
-        elif req.method == "status":
-            self.reply(req.msgid, server.status.status())
-        elif req.method == "cancel":
-            assert isinstance(params, CancelParams)
-            self.reply(req.msgid, {"cancelled": server.scheduler.cancel(self.id, params.id)})
-        elif req.method == "tokenize":
-            assert isinstance(params, TokenizeParams)
-            self._answer_aside(req.msgid, lambda: {
-                "ids": list(server.engine.tokenize(params.text, add_special=params.add_special))})
+        methods = self.server.methods
+        params = methods.validate(req.method, req.params)
+        kind = methods.kind(req.method)
+        if kind == JOB:
+            if req.msgid in self.jobs:
+                raise BadRequest(f"msgid {req.msgid} is already in flight on this connection")
+            self.jobs[req.msgid] = methods.submit(
+                self.id, req.msgid, params, functools.partial(self._on_job_event, req.msgid))
+        elif kind == ASIDE:
+            self._answer_aside(req.msgid, functools.partial(methods.aside, params))
         else:
-            assert isinstance(params, DetokenizeParams)
-            self._answer_aside(req.msgid, lambda: {"text": server.engine.detokenize(list(params.ids))})
-
-    def _submit(self, msgid: int, params) -> None:
-        if msgid in self.jobs:
-            raise BadRequest(f"msgid {msgid} is already in flight on this connection")
-        options = SamplingOptions(**{"max_tokens": self.server.config.max_tokens, **params.options})
-        job = Job(conn_id=self.id, msgid=msgid, params=params, options=options,
-                  on_event=functools.partial(self._on_job_event, msgid))
-        self.server.scheduler.submit(job)        # QueueFull / ShuttingDown -> error reply
-        self.jobs[msgid] = job
+            self.reply(req.msgid, methods.now(self.id, req.method, params))
 
     def _answer_aside(self, msgid: int, compute: Callable[[], dict]) -> None:
         """Answer from the side executor (tokenizing megabytes must not stall the loop)."""
@@ -245,8 +224,7 @@ class Connection(asyncio.Protocol):
             else:
                 if not isinstance(exc, KestrelError):
                     log.error("connection %d msgid %d: %r", self.id, msgid, exc)
-                    exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
-                self.reply(msgid, error=exc)
+                self.reply(msgid, error=internal(exc))
             self._drain()                # requests held while too many answers were pending
         future.add_done_callback(done)
 
@@ -307,11 +285,10 @@ class Connection(asyncio.Protocol):
 class Server:
     """The listening socket and its connections."""
 
-    def __init__(self, config: Config, engine, scheduler: Scheduler, status: StatusReporter):
+    def __init__(self, config: Config, methods: Methods):
         self.config = config
-        self.engine = engine
-        self.scheduler = scheduler
-        self.status = status
+        self.methods = methods
+        self.scheduler = methods.scheduler
         self.connections: dict = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kestrel-tok")
         self._next_id = 0

@@ -15,7 +15,7 @@ from .. import __version__
 from .config import Config
 from ..protocol import PROTOCOL_VERSION
 
-# Every matrix is held as Q8_0 in memory whatever the file held (engine/model.py).
+# Every matrix is held as Q8_0 in memory whatever the file held (model/weights.py).
 WEIGHTS_IN_MEMORY = "q8_0"
 KV_DTYPE = "q8"
 
@@ -31,7 +31,7 @@ class StatusReporter:
         self.started_at = self._process.create_time()   # process start: uptime includes the load
 
     def status(self) -> dict:
-        eng, arena = self._engine, self._engine.arena
+        eng, kv = self._engine, self._engine.kv
         cfg = eng.model.config
         engine_stats = eng.stats()
         now = time.time()
@@ -44,11 +44,11 @@ class StatusReporter:
             "model": {"path": eng.model.path, "arch": cfg.arch, "name": cfg.name,
                       "n_params": cfg.n_params, "n_layers": cfg.n_layers,
                       "weights": WEIGHTS_IN_MEMORY, "source_dtype": eng.model.source_dtype},
-            "max_seq": arena.max_seq,
-            "kv_bs": arena.kv_bs,
+            "max_seq": kv.max_seq,
+            "kv_bs": kv.kv_bs,
             "kv_dtype": KV_DTYPE,
-            "kv_bytes_per_token_layer": arena.bytes_per_token_layer,
-            "kv_arena_bytes": arena.nbytes,
+            "kv_bytes_per_token_layer": kv.bytes_per_token_layer,
+            "kv_arena_bytes": kv.nbytes,
             "cache_len": engine_stats["cache_len"],
             "prefix": dict(engine_stats["prefix"]),
             "disk_kv": eng.disk_kv.stats() if eng.disk_kv is not None else {"enabled": False},

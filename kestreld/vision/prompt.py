@@ -41,6 +41,16 @@ class ChunkVision:
     deepstack: list               # per early layer: (r, hidden) f32 added after that layer
 
 
+@dataclass(frozen=True)
+class ImageFigures:
+    """What a request's images cost: how many, their placeholder tokens, how many ran
+    through the encoder (the others were in the reused KV) and the encoder's time."""
+    images: int
+    visual_tokens: int
+    encoded: int
+    encode_ms: float
+
+
 @dataclass
 class VisionPrompt:
     """The images of one prompt and everything derived from where they sit in it."""
@@ -71,7 +81,7 @@ class VisionPrompt:
         self.encode_ms = (time.perf_counter() - t0) * 1e3
         f = self.figures()
         log.info("[VISION] images=%d visual_tokens=%d encoded=%d encode=%.0fms",
-                 f["images"], f["visual_tokens"], f["images_encoded"], f["encode_ms"])
+                 f.images, f.visual_tokens, f.encoded, f.encode_ms)
 
     def chunk(self, a: int, b: int) -> ChunkVision:
         """Inputs of prompt tokens [a, b)."""
@@ -90,9 +100,9 @@ class VisionPrompt:
             self.positions[:, a:b], np.concatenate(rows), np.concatenate(embeds),
             [np.concatenate([d[j] for d in ds]) for j in range(n_layers)])
 
-    def figures(self) -> dict:
-        return {"images": len(self.images), "visual_tokens": self.visual_tokens,
-                "images_encoded": self.encoded, "encode_ms": round(self.encode_ms, 3)}
+    def figures(self) -> ImageFigures:
+        return ImageFigures(len(self.images), self.visual_tokens, self.encoded,
+                            round(self.encode_ms, 3))
 
 
 def _image_keys(digest: bytes, n: int) -> list:

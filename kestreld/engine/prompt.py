@@ -1,0 +1,117 @@
+"""What the model reads: a request (a text, token ids, or a conversation) -> a `Prompt`.
+
+    TextInput(text=...)  tokenized with the model's special tokens (BOS where it wants one)
+    TextInput(ids=...)   the ids as given
+    ChatInput(messages)  rendered with the model's own chat template (whose text holds its
+                         special tokens), tokenized; image parts decoded, preprocessed and
+                         their placeholders widened to the image's tokens (Qwen3-VL)
+
+A `Prompt` holds the ids and, with images, their `VisionPrompt` (M-RoPE positions, prefix
+keys, the images to encode). `keys` is what the prefix rule compares.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from ..errors import BadRequest, PromptTooLong
+from ..text.chat import ChatTemplate
+from ..vision.images import decode_image, preprocess, read_image_part
+from ..vision.prompt import VisionPrompt, build_prompt, chat_images
+
+
+@dataclass(frozen=True)
+class TextInput:
+    """A raw completion prompt: exactly one of `text` or `ids`."""
+    text: Optional[str] = None
+    ids: Optional[tuple] = None
+
+    def __post_init__(self):
+        if (self.text is None) == (self.ids is None):
+            raise ValueError("TextInput needs exactly one of text or ids")
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    """A conversation: messages as ({"role", "content": str | (part, ...)}, ...), a part
+    being {"type": "text", "text"} or {"type": "image", "path" | "data"}."""
+    messages: tuple
+    enable_thinking: bool = False
+
+
+Request = Union[TextInput, ChatInput]
+
+
+@dataclass
+class Prompt:
+    """Token ids for the model, and the images they hold (Qwen3-VL) if any."""
+    ids: list
+    vision: Optional[VisionPrompt] = None
+
+    @property
+    def keys(self) -> list:
+        """The prefix-match key of each token: its id, or an image's key for its placeholders."""
+        return self.vision.keys if self.vision is not None else self.ids
+
+
+class PromptBuilder:
+    """Turns requests into prompts for one model. It reads the tokenizer, the template and
+    the vision config only, never the KV cache, so `tokenize` is safe from any thread."""
+
+    def __init__(self, model, max_seq: int, image_dir: Optional[str] = None):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.chat = ChatTemplate(model.chat_template)
+        self.max_seq = max_seq
+        self.max_text_chars = max_seq * self.tokenizer.max_token_bytes
+        self.image_dir = image_dir  # the only place image paths may be read from (None: nowhere)
+
+    def tokenize(self, text: str, add_special: bool = False) -> list:
+        """Token ids of `text`. A text that cannot fit in max_seq tokens (each token covers
+        at most max_token_bytes bytes) is refused before tokenizing, which would cost
+        hundreds of bytes of memory per token."""
+        if len(text) > self.max_text_chars:
+            raise PromptTooLong(f"a text of {len(text)} characters cannot fit in max_seq="
+                                f"{self.max_seq} tokens (at most {self.max_text_chars})")
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def render_chat(self, messages, enable_thinking: bool = False) -> str:
+        """The prompt text of a conversation, from the model's own chat template."""
+        tok = self.tokenizer
+        special = {"bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                   "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else ""}
+        return self.chat.render(messages, add_generation_prompt=True,
+                                enable_thinking=enable_thinking, **special)
+
+    def build(self, request: Request) -> Prompt:
+        """The prompt of a request. Bad images or image parts for a model without a vision
+        encoder: BadRequest; a text too long for the context: PromptTooLong."""
+        if isinstance(request, ChatInput):
+            return self._chat(request)
+        if request.ids is not None:
+            return Prompt(list(request.ids))
+        return Prompt(self.tokenize(request.text, add_special=True))
+
+    def _chat(self, request: ChatInput) -> Prompt:
+        rendered, parts = chat_images([_flatten_text(m) for m in request.messages])
+        vision = self.model.vision
+        if parts and vision is None:
+            hint = (" (a Qwen3-VL text GGUF: start kestreld with --mmproj FILE for its vision "
+                    "encoder)" if self.model.config.arch == "qwen3vl" else "")
+            raise BadRequest(f"the model {self.model.config.name} takes no images{hint}")
+        ids = self.tokenize(self.render_chat(rendered, request.enable_thinking))
+        if not parts:
+            return Prompt(ids)
+        images = [preprocess(decode_image(read_image_part(p, self.image_dir)), vision.cfg.image)
+                  for p in parts]
+        ids, vp = build_prompt(ids, images, vision.cfg)
+        return Prompt(ids, vp)
+
+
+def _flatten_text(message: dict) -> dict:
+    """A message whose content is only text parts, with their texts joined into one string
+    (what chat templates without list support expect); other messages as they are."""
+    content = message.get("content")
+    if isinstance(content, (list, tuple)) and all(p.get("type") == "text" for p in content):
+        return dict(message, content="".join(p["text"] for p in content))
+    return dict(message)

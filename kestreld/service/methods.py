@@ -1,0 +1,111 @@
+"""The wire methods on the engine: what each request does, apart from any transport.
+
+A transport (the RPC socket in server.py; an HTTP API beside it) parses bytes into a method
+name and params, then calls:
+
+    params = methods.validate(method, raw)             typed params (protocol.py) or an error
+    methods.kind(method)                               where it runs:
+      JOB    generate, chat     `submit`: a scheduler Job; the engine thread runs it and its
+                                events (tokens, progress, the completion) come back
+      ASIDE  tokenize,          `aside`: a pure function of the params, run off the event
+             detokenize         loop (tokenizing megabytes must not stall it)
+      NOW    status, ping,      `now`: answered on the event loop at once
+             cancel
+    completion_result(...)                             the completion map of a Done event
+
+Wire params become engine values here (`engine_request`, `sampling_options`), and engine
+results become wire maps here (`completion_result`): the scheduler and the engine never
+see protocol types.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Union
+
+from ..engine.generate import Completion
+from ..engine.prompt import ChatInput, Request, TextInput
+from ..engine.sampler import SamplingOptions
+from ..protocol import (ChatParams, DetokenizeParams, GenerateParams, Params, TokenizeParams,
+                        CancelParams, validate_params)
+from .scheduler import Event, Job, Scheduler
+from .status import StatusReporter
+
+JOB, ASIDE, NOW = "job", "aside", "now"
+KINDS = {"generate": JOB, "chat": JOB, "tokenize": ASIDE, "detokenize": ASIDE,
+         "status": NOW, "ping": NOW, "cancel": NOW}
+
+
+def engine_request(params: Union[GenerateParams, ChatParams]) -> Request:
+    """The engine's request for generate / chat params."""
+    if isinstance(params, ChatParams):
+        return ChatInput(tuple(dict(m) for m in params.messages), params.enable_thinking)
+    return TextInput(text=params.prompt, ids=params.ids)
+
+
+def sampling_options(params: Union[GenerateParams, ChatParams], default_max_tokens: int) -> SamplingOptions:
+    """The request's sampling options; max_tokens defaults to the daemon's --max-tokens."""
+    return SamplingOptions(**{"max_tokens": default_max_tokens, **params.options})
+
+
+def completion_result(c: Completion, queue_ms: float, ttft_ms: float) -> dict:
+    """The wire completion map of a Completion (docs/protocol.md); `ttft_ms` counts from
+    the request's arrival, queue included."""
+    prefill_s, decode_s = c.prefill_ms / 1000.0, c.decode_ms / 1000.0
+    usage = {"prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
+             "cached_source": c.cached_source, "prefill_tokens": c.prefill_tokens,
+             "completion_tokens": c.completion_tokens}
+    timings = {"queue_ms": round(queue_ms, 3), "prefill_ms": round(c.prefill_ms, 3),
+               "decode_ms": round(c.decode_ms, 3), "ttft_ms": round(ttft_ms, 3),
+               "prefill_tok_s": round(c.prefill_tokens / prefill_s, 2) if prefill_s > 0 else 0.0,
+               "decode_tok_s": round(c.completion_tokens / decode_s, 2) if decode_s > 0 else 0.0}
+    if c.images is not None:
+        usage.update(images=c.images.images, visual_tokens=c.images.visual_tokens)
+        timings["encode_ms"] = c.images.encode_ms
+    out = {"text": c.text, "ids": list(c.ids), "finish_reason": c.finish_reason,
+           "usage": usage, "timings": timings}
+    if c.logprobs is not None:
+        out["logprobs"] = c.logprobs
+    return out
+
+
+class Methods:
+    """The methods of one daemon: its engine, scheduler, status and default max_tokens."""
+
+    def __init__(self, engine, scheduler: Scheduler, status: StatusReporter, max_tokens: int):
+        self.engine = engine
+        self.scheduler = scheduler
+        self.status = status
+        self.max_tokens = max_tokens
+
+    @staticmethod
+    def kind(method: str) -> str:
+        """JOB, ASIDE or NOW (call after `validate`, which refuses unknown methods)."""
+        return KINDS[method]
+
+    def validate(self, method: str, raw) -> Params:
+        """Typed params of a request (UnknownMethod, BadRequest, PromptTooLong otherwise)."""
+        return validate_params(method, raw, self.engine.vocab_size, self.engine.kv.max_seq)
+
+    def submit(self, conn_id: int, msgid: int, params: Union[GenerateParams, ChatParams],
+               on_event: Callable[[Event], None]) -> Job:
+        """Queue a generate / chat request (QueueFull, ShuttingDown otherwise)."""
+        job = Job(conn_id=conn_id, msgid=msgid, request=engine_request(params),
+                  options=sampling_options(params, self.max_tokens), stream=params.stream,
+                  on_event=on_event)
+        self.scheduler.submit(job)
+        return job
+
+    def aside(self, params: Union[TokenizeParams, DetokenizeParams]) -> dict:
+        """tokenize / detokenize: no KV touched, safe off the engine thread."""
+        if isinstance(params, TokenizeParams):
+            return {"ids": list(self.engine.tokenize(params.text, add_special=params.add_special))}
+        return {"text": self.engine.detokenize(list(params.ids))}
+
+    def now(self, conn_id: int, method: str, params: Params) -> dict:
+        """status, ping, cancel (of a request of connection `conn_id`)."""
+        if method == "status":
+            return self.status.status()
+        if method == "ping":
+            return {"ok": True, "pid": os.getpid()}
+        assert isinstance(params, CancelParams)
+        return {"cancelled": self.scheduler.cancel(conn_id, params.id)}
