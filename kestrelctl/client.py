@@ -43,10 +43,12 @@ class KestrelClientError(Exception):
 
 @dataclass
 class Token:
-    """A streamed piece of the completion."""
+    """A streamed piece of the completion (with split_reasoning, `reasoning` is the piece
+    of the thinking block and `text` of the answer)."""
     text: str
     ids: list
     logprobs: Optional[list] = None
+    reasoning: Optional[str] = None
 
 
 @dataclass
@@ -66,11 +68,12 @@ class Result:
     usage: dict
     timings: dict
     logprobs: Optional[list] = None
+    reasoning: Optional[str] = None     # the thinking block, with split_reasoning
 
     @classmethod
     def from_wire(cls, m: dict) -> "Result":
         return cls(m["text"], m["ids"], m["finish_reason"], m["usage"], m["timings"],
-                   m.get("logprobs"))
+                   m.get("logprobs"), m.get("reasoning"))
 
 
 Event = Union[Token, Progress, Result]
@@ -188,7 +191,8 @@ class Client:
                     return
                 method, (_, payload) = m[1], m[2]
                 if method == TOKEN:
-                    yield Token(payload["text"], payload["ids"], payload.get("logprobs"))
+                    yield Token(payload["text"], payload["ids"], payload.get("logprobs"),
+                                payload.get("reasoning"))
                 elif method == PROGRESS:
                     yield Progress(payload["phase"], payload["done"], payload["total"])
         finally:

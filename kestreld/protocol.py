@@ -60,11 +60,13 @@ class GenerateParams:
 class ChatParams:
     """`chat`: messages as ({"role": str, "content": str | (part, ...)}, ...); a part is
     {"type": "text", "text": str} or {"type": "image", "path": str} / {"type": "image",
-    "data": bytes} (Qwen3-VL)."""
+    "data": bytes} (Qwen3-VL). `split_reasoning`: the answer's thinking block comes back
+    apart, as `reasoning`."""
     messages: tuple
     enable_thinking: bool
     options: dict
     stream: bool
+    split_reasoning: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,7 @@ OPTION_CHECKS = {
 
 _FIELDS = {  # method -> its own parameter names (besides the options of generate/chat)
     "generate": ("prompt", "ids", "stream"),
-    "chat": ("messages", "enable_thinking", "stream"),
+    "chat": ("messages", "enable_thinking", "split_reasoning", "stream"),
     "tokenize": ("text", "add_special"),
     "detokenize": ("ids",),
     "cancel": ("id",),
@@ -283,7 +285,8 @@ def validate_params(method: str, params, vocab_size: int,
             raise BadRequest("chat needs messages ([{role, content}])")
         return ChatParams(messages=_messages(p["messages"]),
                           enable_thinking=_bool("enable_thinking", p.get("enable_thinking", False)),
-                          options=_options(p), stream=_bool("stream", p.get("stream", True)))
+                          options=_options(p), stream=_bool("stream", p.get("stream", True)),
+                          split_reasoning=_bool("split_reasoning", p.get("split_reasoning", False)))
     if method == "tokenize":
         if "text" not in p:
             raise BadRequest("tokenize needs text (str)")

@@ -1,9 +1,10 @@
 """service/methods.py: wire params -> engine requests and options, engine results -> wire maps."""
-from kestreld.engine.generate import Completion
+from kestreld.engine.generate import Completion, TokenEvent
 from kestreld.engine.prompt import ChatInput, TextInput
 from kestreld.engine.sampler import SamplingOptions
 from kestreld.protocol import validate_params
-from kestreld.service.methods import KINDS, completion_result, engine_request, sampling_options
+from kestreld.service.methods import (KINDS, completion_result, engine_request,
+                                      sampling_options, token_payload)
 from kestreld.protocol import METHODS
 from kestreld.vision.prompt import ImageFigures
 
@@ -22,6 +23,9 @@ def test_generate_and_chat_params_become_engine_requests():
     c = validate_params("chat", [{"messages": [{"role": "user", "content": "a"}],
                                   "enable_thinking": True}], 100)
     assert engine_request(c) == ChatInput(({"role": "user", "content": "a"},), True)
+    c = validate_params("chat", [{"messages": [{"role": "user", "content": "a"}],
+                                  "split_reasoning": True}], 100)
+    assert engine_request(c).split_reasoning is True
 
 
 def test_completion_result_map():
@@ -43,3 +47,11 @@ def test_completion_result_map():
     assert m["usage"]["cached_source"] == "disk"
     assert m["usage"]["images"] == 2 and m["usage"]["visual_tokens"] == 40
     assert m["timings"]["encode_ms"] == 12.5
+    assert "reasoning" not in m
+    c.reasoning = "because"
+    assert completion_result(c, 0, 0)["reasoning"] == "because"
+
+
+def test_token_payload():
+    assert token_payload(TokenEvent([3], "a")) == {"text": "a", "ids": [3]}
+    assert token_payload(TokenEvent([3], "", None, "hm")) == {"text": "", "ids": [3], "reasoning": "hm"}

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 
 from ..errors import BadRequest, PromptTooLong
+from ..text.reasoning import ReasoningSplitter
 from ..vision.prompt import ImageFigures
 from .forward import Forward
 from .kvcache import KVCache
@@ -26,10 +27,12 @@ from .sampler import Sampler, SamplingOptions
 @dataclass
 class TokenEvent:
     """One streamed piece: ids sampled since the last event and the text they completed
-    ("" while a UTF-8 character is incomplete or a stop string may still be forming)."""
+    ("" while a UTF-8 character is incomplete or a stop string may still be forming).
+    When the prompt splits reasoning, `text` is answer text and `reasoning` thinking text."""
     ids: list
     text: str
     logprobs: Optional[list] = None   # [{"id", "logprob", "top": [[id, logprob], ...]}]
+    reasoning: Optional[str] = None
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Completion:
     logprobs: Optional[list] = None
     prefix_event: str = ""          # the [KV-PREFIX] log line of this request
     images: Optional[ImageFigures] = None
+    reasoning: Optional[str] = None  # the thinking block, when the prompt splits it off
 
 
 ProgressFn = Callable[[int, int], None]      # (done, total) prefill tokens
@@ -76,6 +80,41 @@ class StopMatcher:
                     hold = max(hold, k)
                     break
         return len(text) - hold
+
+
+class _Output:
+    """The answer's text as it is emitted: streamed to `on_token`, split into text and
+    reasoning when `reasoning` is not None (it says whether the answer starts inside the
+    thinking block), and kept for the Completion."""
+
+    def __init__(self, on_token: Optional[TokenFn], reasoning: Optional[bool]):
+        self.on_token = on_token
+        self.splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
+        self.text: list = []
+        self.reasoning: list = []
+
+    def emit(self, ids: list, piece: str, logprobs: Optional[list]) -> None:
+        thought = None
+        if self.splitter is not None:
+            piece, thought = self.splitter.feed(piece)
+        self._send(ids, piece, thought, logprobs)
+
+    def close(self) -> tuple[str, Optional[str]]:
+        """(text, reasoning or None) of the whole answer; what the splitter held back goes
+        out as a last event."""
+        if self.splitter is None:
+            return "".join(self.text), None
+        piece, thought = self.splitter.flush()
+        if piece or thought:
+            self._send([], piece, thought, None)
+        return "".join(self.text), "".join(self.reasoning)
+
+    def _send(self, ids: list, piece: str, thought: Optional[str], logprobs: Optional[list]) -> None:
+        self.text.append(piece)
+        if thought is not None:
+            self.reasoning.append(thought)
+        if self.on_token is not None:
+            self.on_token(TokenEvent(ids, piece, logprobs, thought))
 
 
 # ---------------------------------------------------------------- the phases
@@ -194,11 +233,12 @@ class Engine:
             vision.encode(self.model.vision, keep, self.threads)
         logits = prefill(self.forward, prompt, self.prefill_chunk, should_stop, on_progress)
         t_prefill = time.perf_counter()
+        out = _Output(on_token, prompt.reasoning)
         if logits is None:
-            text, ids, finish, lps, t_first = "", [], "cancelled", None, None
+            ids, finish, lps, t_first = [], "cancelled", None, None
         else:
-            text, ids, finish, lps, t_first = self._decode(prompt, logits, opts, on_token,
-                                                           should_stop)
+            ids, finish, lps, t_first = self._decode(prompt, logits, opts, out, should_stop)
+        text, reasoning = out.close()
         t_end = time.perf_counter()
         if self.disk_kv is not None:
             self.disk_kv.save(kv)
@@ -208,7 +248,7 @@ class Engine:
             completion_tokens=len(ids), prefill_ms=(t_prefill - t0) * 1e3,
             decode_ms=(t_end - t_prefill) * 1e3, ttft_ms=((t_first or t_end) - t0) * 1e3,
             logprobs=lps, prefix_event=plan.log_line,
-            images=vision.figures() if vision is not None else None)
+            images=vision.figures() if vision is not None else None, reasoning=reasoning)
 
     def _check_prompt(self, prompt: Prompt) -> None:
         ids = prompt.ids
@@ -225,11 +265,11 @@ class Engine:
             raise BadRequest("the prompt holds image placeholder tokens but no images "
                              "(send image parts in chat messages)")
 
-    def _decode(self, prompt: Prompt, logits: np.ndarray, opts: SamplingOptions,
-                on_token: Optional[TokenFn], should_stop: Optional[StopFn]):
-        """Sample, stream and feed tokens after the prefill. Returns (text, generated ids
-        without an ending end-of-sequence id, finish_reason, logprobs or None, time of the
-        first token)."""
+    def _decode(self, prompt: Prompt, logits: np.ndarray, opts: SamplingOptions, out: "_Output",
+                should_stop: Optional[StopFn]):
+        """Sample, stream (through `out`) and feed tokens after the prefill. Returns
+        (generated ids without an ending end-of-sequence id, finish_reason, logprobs or
+        None, time of the first token)."""
         ids = prompt.ids
         delta = prompt.vision.delta if prompt.vision is not None else 0
         max_tokens = min(opts.max_tokens, self.kv.max_seq - len(ids))
@@ -261,10 +301,8 @@ class Engine:
                 finish = "stop"
                 break
             safe = stops.safe_len(text) if stops.stops else len(text)
-            if on_token is not None:
-                on_token(TokenEvent(pending, text[emitted:safe],
-                                    lps[-1:] if lps is not None else None))
-                pending = []
+            out.emit(pending, text[emitted:safe], lps[-1:] if lps is not None else None)
+            pending = []
             emitted = safe
             if len(generated) >= max_tokens:
                 break
@@ -274,6 +312,6 @@ class Engine:
             logits = decode_one(self.forward, tok, delta)
         if finish != "stop" or stops.find(text) < 0:
             text += decoder.flush()
-        if on_token is not None and (pending or emitted < len(text)):
-            on_token(TokenEvent(pending, text[emitted:], None))
-        return text, generated, finish, lps, t_first
+        if pending or emitted < len(text):
+            out.emit(pending, text[emitted:], None)
+        return generated, finish, lps, t_first

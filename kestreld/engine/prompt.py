@@ -16,6 +16,7 @@ from typing import Optional, Union
 
 from ..errors import BadRequest, PromptTooLong
 from ..text.chat import ChatTemplate
+from ..text.reasoning import opens_thinking
 from ..vision.images import decode_image, preprocess, read_image_part
 from ..vision.prompt import VisionPrompt, build_prompt, chat_images
 
@@ -34,9 +35,11 @@ class TextInput:
 @dataclass(frozen=True)
 class ChatInput:
     """A conversation: messages as ({"role", "content": str | (part, ...)}, ...), a part
-    being {"type": "text", "text"} or {"type": "image", "path" | "data"}."""
+    being {"type": "text", "text"} or {"type": "image", "path" | "data"}.
+    `split_reasoning`: the answer's thinking block comes back apart (text/reasoning.py)."""
     messages: tuple
     enable_thinking: bool = False
+    split_reasoning: bool = False
 
 
 Request = Union[TextInput, ChatInput]
@@ -44,9 +47,12 @@ Request = Union[TextInput, ChatInput]
 
 @dataclass
 class Prompt:
-    """Token ids for the model, and the images they hold (Qwen3-VL) if any."""
+    """Token ids for the model, and the images they hold (Qwen3-VL) if any. `reasoning`:
+    None (the answer is all text), or whether the answer starts inside an open thinking
+    block (its thinking is then split from its text)."""
     ids: list
     vision: Optional[VisionPrompt] = None
+    reasoning: Optional[bool] = None
 
     @property
     def keys(self) -> list:
@@ -99,13 +105,15 @@ class PromptBuilder:
             hint = (" (a Qwen3-VL text GGUF: start kestreld with --mmproj FILE for its vision "
                     "encoder)" if self.model.config.arch == "qwen3vl" else "")
             raise BadRequest(f"the model {self.model.config.name} takes no images{hint}")
-        ids = self.tokenize(self.render_chat(rendered, request.enable_thinking))
+        text = self.render_chat(rendered, request.enable_thinking)
+        ids = self.tokenize(text)
+        reasoning = opens_thinking(text) if request.split_reasoning else None
         if not parts:
-            return Prompt(ids)
+            return Prompt(ids, reasoning=reasoning)
         images = [preprocess(decode_image(read_image_part(p, self.image_dir)), vision.cfg.image)
                   for p in parts]
         ids, vp = build_prompt(ids, images, vision.cfg)
-        return Prompt(ids, vp)
+        return Prompt(ids, vp, reasoning)
 
 
 def _flatten_text(message: dict) -> dict:

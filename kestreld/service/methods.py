@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Union
 
-from ..engine.generate import Completion
+from ..engine.generate import Completion, TokenEvent
 from ..engine.prompt import ChatInput, Request, TextInput
 from ..engine.sampler import SamplingOptions
 from ..protocol import (ChatParams, DetokenizeParams, GenerateParams, Params, TokenizeParams,
@@ -38,7 +38,8 @@ KINDS = {"generate": JOB, "chat": JOB, "tokenize": ASIDE, "detokenize": ASIDE,
 def engine_request(params: Union[GenerateParams, ChatParams]) -> Request:
     """The engine's request for generate / chat params."""
     if isinstance(params, ChatParams):
-        return ChatInput(tuple(dict(m) for m in params.messages), params.enable_thinking)
+        return ChatInput(tuple(dict(m) for m in params.messages), params.enable_thinking,
+                         params.split_reasoning)
     return TextInput(text=params.prompt, ids=params.ids)
 
 
@@ -63,8 +64,20 @@ def completion_result(c: Completion, queue_ms: float, ttft_ms: float) -> dict:
         timings["encode_ms"] = c.images.encode_ms
     out = {"text": c.text, "ids": list(c.ids), "finish_reason": c.finish_reason,
            "usage": usage, "timings": timings}
+    if c.reasoning is not None:
+        out["reasoning"] = c.reasoning
     if c.logprobs is not None:
         out["logprobs"] = c.logprobs
+    return out
+
+
+def token_payload(ev: TokenEvent) -> dict:
+    """The `token` notification's payload of a TokenEvent."""
+    out = {"text": ev.text, "ids": list(ev.ids)}
+    if ev.reasoning is not None:
+        out["reasoning"] = ev.reasoning
+    if ev.logprobs is not None:
+        out["logprobs"] = ev.logprobs
     return out
 
 

@@ -24,7 +24,7 @@ from ..errors import BadRequest, KestrelError, StartupError, internal
 from ..protocol import (PROGRESS, TOKEN, FrameError, FrameReader, Request, decode_message,
                         encode_notification, encode_response, msgid_of)
 from .config import Config
-from .methods import ASIDE, JOB, Methods, completion_result
+from .methods import ASIDE, JOB, Methods, completion_result, token_payload
 from .scheduler import Done, Failed, Progress, Token
 
 log = logging.getLogger("kestreld.service.server")
@@ -233,10 +233,7 @@ class Connection(asyncio.Protocol):
     def _on_job_event(self, msgid: int, ev) -> None:
         if isinstance(ev, Token):
             if not self.slow:
-                payload = {"text": ev.event.text, "ids": list(ev.event.ids)}
-                if ev.event.logprobs is not None:
-                    payload["logprobs"] = ev.event.logprobs
-                self.send(encode_notification(TOKEN, msgid, payload))
+                self.send(encode_notification(TOKEN, msgid, token_payload(ev.event)))
         elif isinstance(ev, Progress):
             if not self.slow:
                 self.send(encode_notification(PROGRESS, msgid, {"phase": ev.phase, "done": ev.done,
