@@ -1,15 +1,16 @@
 # cython: language_level=3
 # (boundscheck, wraparound, initializedcheck, cdivision: set by setup.py, on under KESTREL_DEBUG=1)
-"""Kestrel's compute kernels: Q8_0 matmul, norms, RoPE, SwiGLU, int8 KV store, attention, and
-the vision encoder's LayerNorm, GELU and full attention.
+"""Kestrel's compute kernels: `Forward` (the whole forward pass of a chunk of tokens, every
+layer in one C call), and the per-op kernels it is made of, for the tests and the vision
+encoder: the weight x activation product of each weight type, norms, RoPE, SwiGLU, int8 KV
+store, attention, MoE routing, and the vision encoder's LayerNorm, GELU and full attention.
 
 Every function takes C-contiguous numpy arrays (float = float32), checks their shapes and
 raises ValueError on a mismatch, then computes with the GIL released on `nthreads` OpenMP
 threads. Results do not depend on `nthreads`. The C (pyx/ks_*.h) holds the SIMD paths;
-`simd_path()` says which one this build uses, and `matmul_q8_0_plain` always takes the
-portable path, which the SIMD one matches bit for bit. On x86 the prefill product also has an
-AVX512-VNNI path, chosen at run time (`set_matmul_vnni`), bit-identical too. `DecodeStep`
-runs a whole decode step (every layer of one token) in one call.
+`simd_path()` says which one this build uses, and `matmul_plain` always takes the portable
+path, which the SIMD one matches bit for bit. On x86 the prefill product also has an
+AVX512-VNNI path, chosen at run time (`set_matmul_vnni`), bit-identical too.
 """
 from libc.stdint cimport int8_t, uint8_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
@@ -30,9 +31,9 @@ cdef int _check_threads(int nthreads) except -1:
     return 0
 
 
-include "matmul_q8.pxi"
+include "matmul.pxi"
 include "elementwise.pxi"
 include "attention.pxi"
 include "moe.pxi"
-include "decode.pxi"
+include "forward.pxi"
 include "vision.pxi"

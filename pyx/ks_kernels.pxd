@@ -50,65 +50,70 @@ cdef extern from "ks_rows.h" nogil:
 cdef extern from "ks_moe.h" nogil:
     void ks_moe_route_row(const float *x, const float *router, int64_t d, int n_exp,
                           int norm_topk, float *probs, int32_t *idx, float *w, int k)
+    int ks_moe_group(const int32_t *top_idx, int n, int k, int n_exp, int32_t *counts,
+                     int32_t *offsets, int32_t *rows, int32_t *slot_pos, int32_t *active)
+    void ks_moe_combine_row(float *out, const float *y, const int32_t *slot, const float *w,
+                            int k, int64_t d)
 
 
-cdef extern from "ks_decode.h" nogil:
+cdef extern from "ks_weights.h" nogil:
+    int KS_TYPE_F32
+    int KS_TYPE_Q8_0
+    ctypedef struct ks_matrix:
+        const uint8_t *data
+        int64_t row_stride
+        int64_t mat_stride
+        int32_t type
+        int32_t rows, cols
+        int32_t n_mat
+    int ks_type_supported(int type)
+    int64_t ks_type_row_bytes(int type, int64_t cols)
+    int ks_type_block(int type)
+    void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float *out)
+    void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd, int n,
+                        float *out, int r0, int r1)
+    void ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
+                              int n, float *out, int r0, int r1)
+
+
+cdef extern from "ks_forward.h" nogil:
     ctypedef struct ks_layer:
-        const uint8_t *wq
-        const uint8_t *wk
-        const uint8_t *wv
-        const uint8_t *wo
-        const uint8_t *w_gate
-        const uint8_t *w_up
-        const uint8_t *w_down
         const float *attn_norm
         const float *ffn_norm
         const float *q_norm
         const float *k_norm
-        const float *router
-        const uint8_t *gate_exps
-        const uint8_t *up_exps
-        const uint8_t *down_exps
-        int8_t *kq
-        int8_t *vq
-        float *ks
-        float *vs
+        ks_matrix wq, wk, wv, wo, gate, up, down, router
     ctypedef struct ks_model:
-        int n_layers, hidden, n_heads, n_kv, hd, ffn, vocab, max_seq, kv_bs, neox
-        int n_exp, n_used, expert_ffn, norm_topk
+        int n_layers, hidden, n_heads, n_kv, hd, ffn, vocab
+        int n_exp, n_used, expert_ffn, norm_topk, neox
         float eps, scale
-        const ks_layer *layers
-        const uint8_t *tok_embd
-        const uint8_t *output
+        ks_matrix tok_embd, output
         const float *out_norm
-        const float *cos_t
-        const float *sin_t
-        float *x
-        float *xn
-        float *q
-        float *k
-        float *v
-        float *att
-        float *proj
-        float *gate
-        float *up
-        float *xd
-        float *xnd
-        int8_t *xq
-        int8_t *xnq
-        float *attn_scratch
-        float *attn_parts
-        float *probs
-        float *top_w
-        float *egate
-        float *eup
-        float *ehd
-        float *ey
-        int32_t *top_idx
-        int8_t *ehq
-    int KS_ATTN_SPLIT_MAX
-    void ks_decode_step(const ks_model *M, int token, int pos, int rope_pos, float *logits,
-                        int nthreads)
+        const ks_layer *layers
+    ctypedef struct ks_kv:
+        int8_t *k_q
+        int8_t *v_q
+        float *k_s
+        float *v_s
+        int max_seq, kv_bs
+    ctypedef struct ks_batch:
+        int n, pos0
+        const int32_t *tokens
+        const float *rope_cos
+        const float *rope_sin
+        int n_vis
+        const int32_t *vis_rows
+        const float *vis_embd
+        int n_deep
+        const float *deep
+        float *logits
+        int all_logits
+        int32_t *routing
+    ctypedef struct ks_scratch:
+        int max_chunk, nthreads
+    int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, int max_chunk,
+                              int nthreads, int kv_bs)
+    void ks_forward(const ks_model *M, const ks_kv *kv, ks_scratch *S, const ks_batch *B)
 
 
 cdef extern from "ks_vision.h" nogil:

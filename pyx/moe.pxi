@@ -1,8 +1,6 @@
-# Mixture-of-experts plumbing (Qwen3-MoE): the router (softmax + top-k), grouping a chunk's
-# (token, slot) pairs by expert, gathering quantized activation rows into that order, and
-# the router-weighted sum of the experts' outputs. The expert matmuls are matmul_q8_0; the
-# router's arithmetic is in ks_moe.h, shared with the fused decode step.
-from libc.string cimport memcpy
+# Qwen3-MoE's routing as per-op entry points for the tests: the router (softmax + top-k),
+# grouping (token, slot) pairs by expert, and the router-weighted sum of the experts'
+# outputs. The C functions (ks_moe.h) are those the forward pass calls.
 
 
 def moe_route(const float[:, ::1] x, const float[:, ::1] router, bint norm_topk,
@@ -43,8 +41,8 @@ def moe_group(const int32_t[:, ::1] top_idx, int32_t[::1] counts, int32_t[::1] o
     slot_pos (n, k): the sorted entry of pair (t, j); active[:n_active] (E,): the chosen
     experts, ascending."""
     cdef Py_ssize_t n = top_idx.shape[0], k = top_idx.shape[1], n_exp = counts.shape[0]
-    cdef Py_ssize_t t, j, e, n_active = 0
-    cdef int32_t total = 0, p
+    cdef Py_ssize_t t, j, e
+    cdef int n_active
     if offsets.shape[0] != n_exp or active.shape[0] != n_exp:
         raise ValueError(f"moe_group: counts, offsets and active must all be ({n_exp},), got "
                          f"({offsets.shape[0]},) and ({active.shape[0]},)")
@@ -58,53 +56,15 @@ def moe_group(const int32_t[:, ::1] top_idx, int32_t[::1] counts, int32_t[::1] o
             if top_idx[t, j] < 0 or top_idx[t, j] >= n_exp:
                 raise ValueError(f"moe_group: expert {top_idx[t, j]} at ({t}, {j}) is "
                                  f"outside [0, {n_exp})")
+    if n == 0:
+        for e in range(n_exp):
+            counts[e] = 0
+            offsets[e] = 0
+        return 0
     with nogil:
-        for e in range(n_exp):
-            counts[e] = 0
-        for t in range(n):
-            for j in range(k):
-                counts[top_idx[t, j]] += 1
-        for e in range(n_exp):
-            offsets[e] = total
-            total += counts[e]
-            if counts[e] > 0:
-                active[n_active] = <int32_t>e
-                n_active += 1
-        # counts is the fill cursor while placing, then restored
-        for e in range(n_exp):
-            counts[e] = 0
-        for t in range(n):
-            for j in range(k):
-                e = top_idx[t, j]
-                p = offsets[e] + counts[e]
-                counts[e] += 1
-                rows[p] = <int32_t>t
-                slot_pos[t, j] = p
+        n_active = ks_moe_group(&top_idx[0, 0], <int>n, <int>k, <int>n_exp, &counts[0],
+                                &offsets[0], &rows[0], &slot_pos[0, 0], &active[0])
     return n_active
-
-
-def gather_rows_q8_0(const int8_t[:, ::1] xq, const float[:, ::1] xd, const int32_t[::1] rows,
-                     int8_t[:, ::1] xq_out, float[:, ::1] xd_out, int nthreads):
-    """xq_out[p], xd_out[p] = xq[rows[p]], xd[rows[p]] for every p: rows of a Q8_0-quantized
-    activation (xq (n, k) int8, xd (n, k/32) f32) gathered into a new order. Quantization
-    is per row, so this equals quantizing the gathered float rows."""
-    cdef Py_ssize_t n = xq.shape[0], kc = xq.shape[1], nb = xd.shape[1], m = rows.shape[0], p
-    _check_threads(nthreads)
-    if xd.shape[0] != n or nb * KS_QK != kc:
-        raise ValueError(f"gather_rows_q8_0: xd must be ({n}, {kc // KS_QK}), "
-                         f"got ({xd.shape[0]}, {nb})")
-    if xq_out.shape[0] != m or xq_out.shape[1] != kc or xd_out.shape[0] != m or xd_out.shape[1] != nb:
-        raise ValueError(f"gather_rows_q8_0: xq_out, xd_out must be ({m}, {kc}) and ({m}, {nb}), "
-                         f"got ({xq_out.shape[0]}, {xq_out.shape[1]}) and "
-                         f"({xd_out.shape[0]}, {xd_out.shape[1]})")
-    for p in range(m):
-        if rows[p] < 0 or rows[p] >= n:
-            raise ValueError(f"gather_rows_q8_0: row {rows[p]} at {p} is outside [0, {n})")
-    if m == 0 or kc == 0:
-        return
-    for p in prange(m, nogil=True, num_threads=nthreads, schedule="static"):
-        memcpy(&xq_out[p, 0], &xq[rows[p], 0], kc)
-        memcpy(&xd_out[p, 0], &xd[rows[p], 0], nb * sizeof(float))
 
 
 def moe_combine(const float[:, ::1] y, const int32_t[:, ::1] slot_pos, const float[:, ::1] top_w,
@@ -128,5 +88,4 @@ def moe_combine(const float[:, ::1] y, const int32_t[:, ::1] slot_pos, const flo
     if n == 0 or d == 0:
         return
     for t in prange(n, nogil=True, num_threads=nthreads, schedule="static"):
-        for j in range(k):
-            ks_add_scaled(&out[t, 0], &y[slot_pos[t, j], 0], top_w[t, j], d)
+        ks_moe_combine_row(&out[t, 0], &y[0, 0], &slot_pos[t, 0], &top_w[t, 0], <int>k, d)

@@ -46,10 +46,12 @@ def daemon_env() -> dict:
 class Daemon:
     """One kestreld process; `start` waits until it answers ping."""
 
-    def __init__(self, socket_path, *args: str, model: Optional[str] = None):
+    def __init__(self, socket_path, *args: str, model: Optional[str] = None,
+                 env: Optional[dict] = None):
         self.socket = str(socket_path)
         self.args = args
         self.model = model or model_path()
+        self.env = {**daemon_env(), **(env or {})}
         self.log_path = Path(self.socket).with_suffix(f".{os.getpid()}.{time.time_ns()}.log")
         self.proc: Optional[subprocess.Popen] = None
 
@@ -63,7 +65,7 @@ class Daemon:
 
     def start(self) -> "Daemon":
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command(), cwd=REPO, env=daemon_env(),
+            self.proc = subprocess.Popen(self.command(), cwd=REPO, env=self.env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -13,6 +13,7 @@ import pytest
 import kestreld._kernels as K   # build first: python setup.py build_ext --inplace
 
 QK = 32
+Q8_0 = 8      # GGML type ids
 
 
 # ---- references ---------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def test_matmul_q8_0_against_float64_and_plain_twin(n, m, k, vnni):
     w, wq, wd = make_q8_weights(rng, m, k, special_scales=True)
     xq, xd = quantized_activations(rng, n, k)
     out = np.full((n, m), np.nan, np.float32)
-    K.matmul_q8_0(w, xq, xd, out, 2)
+    K.matmul(w, Q8_0, xq, xd, out, 2)
     want, mag = ref_matmul_q8_0(wq, wd, xq, xd)
     err = np.abs(out - want)
     print(f"matmul n={n} m={m} k={k} [{K.simd_path()}]: max |diff| {err.max():.3e}, "
@@ -187,49 +188,51 @@ def test_matmul_q8_0_against_float64_and_plain_twin(n, m, k, vnni):
     assert np.all(err <= 1e-5 * mag + 1e-30)
 
     plain = np.full((n, m), np.nan, np.float32)
-    K.matmul_q8_0_plain(w, xq, xd, plain, 1)
+    K.matmul_plain(w, Q8_0, xq, xd, plain, 1)
     assert np.array_equal(out.view(np.uint32), plain.view(np.uint32)), \
         f"SIMD ({K.simd_path()}) and plain results differ in {np.sum(out != plain)} places"
 
     one = np.empty_like(out)
-    K.matmul_q8_0(w, xq, xd, one, 1)
+    K.matmul(w, Q8_0, xq, xd, one, 1)
     assert np.array_equal(out.view(np.uint32), one.view(np.uint32))
 
 
-def test_matmul_q8_0_reads_read_only_weights_and_rejects_bad_shapes():
+def test_matmul_reads_read_only_weights_and_rejects_bad_shapes():
     rng = np.random.default_rng(5)
     w, wq, wd = make_q8_weights(rng, 8, 64)
     w.setflags(write=False)                            # like a memory-mapped GGUF
     xq, xd = quantized_activations(rng, 2, 64)
     out = np.empty((2, 8), np.float32)
-    K.matmul_q8_0(w, xq, xd, out, 1)
+    K.matmul(w, Q8_0, xq, xd, out, 1)
     np.testing.assert_allclose(out, ref_matmul_q8_0(wq, wd, xq, xd)[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="out must be"):
-        K.matmul_q8_0(w, xq, xd, np.empty((2, 7), np.float32), 1)
+        K.matmul(w, Q8_0, xq, xd, np.empty((2, 7), np.float32), 1)
     with pytest.raises(ValueError, match="bytes per row"):
-        K.matmul_q8_0(np.ascontiguousarray(w[:, :-34]), xq, xd, out, 1)
+        K.matmul(np.ascontiguousarray(w[:, :-34]), Q8_0, xq, xd, out, 1)
     with pytest.raises(ValueError, match="xd must be"):
-        K.matmul_q8_0(w, xq, xd[:1], out, 1)
+        K.matmul(w, Q8_0, xq, xd[:1], out, 1)
     with pytest.raises(ValueError, match="multiple of 32"):
-        K.matmul_q8_0_plain(np.ascontiguousarray(w[:, :50]), np.ascontiguousarray(xq[:, :48]),
+        K.matmul_plain(np.ascontiguousarray(w[:, :50]), Q8_0, np.ascontiguousarray(xq[:, :48]),
                             xd, out, 1)
     with pytest.raises(ValueError, match="nthreads"):
-        K.matmul_q8_0(w, xq, xd, out, 0)
+        K.matmul(w, Q8_0, xq, xd, out, 0)
+    with pytest.raises(ValueError, match="weight type"):
+        K.matmul(w, 2, xq, xd, out, 1)          # Q4_0: not computed on (yet)
 
 
-def test_dequantize_rows_q8_0_is_an_exact_embedding_lookup():
+def test_dequantize_rows_is_an_exact_embedding_lookup():
     rng = np.random.default_rng(11)
     w, wq, wd = make_q8_weights(rng, 50, 96, special_scales=True)
     ids = np.array([3, 0, 49, 3, 17], np.int32)
     out = np.empty((5, 96), np.float32)
-    K.dequantize_rows_q8_0(w, ids, out)
+    K.dequantize_rows(w, Q8_0, ids, out)
     want = (np.repeat(wd, QK, axis=1) * wq.astype(np.float32))[ids]
     np.testing.assert_array_equal(out, want)
     for bad in (50, -1):
         with pytest.raises(ValueError, match="outside"):
-            K.dequantize_rows_q8_0(w, np.array([1, bad], np.int32), np.empty((2, 96), np.float32))
+            K.dequantize_rows(w, Q8_0, np.array([1, bad], np.int32), np.empty((2, 96), np.float32))
     with pytest.raises(ValueError, match="one per id"):
-        K.dequantize_rows_q8_0(w, ids, np.empty((4, 96), np.float32))
+        K.dequantize_rows(w, Q8_0, ids, np.empty((4, 96), np.float32))
 
 
 # ---- float kernels ----------------------------------------------------------------------------
@@ -413,13 +416,13 @@ def test_attention_rejects_bad_arguments():
         K.attention(q, *kv, 0, 0.125, 32, out[:1], 1)
 
 
-# ---- the fused decode step ------------------------------------------------------------------
+# ---- the forward pass -----------------------------------------------------------------------
 
 def tiny_model(rng, qwen):
     """A random dense model (Qwen3-like: q/k norms, NeoX RoPE, untied; else Llama-like)."""
     from types import SimpleNamespace
     from kestreld.model.config import ModelConfig
-    from kestreld.model.weights import LayerWeights, ModelWeights, Q8Matrix
+    from kestreld.model.weights import LayerWeights, Matrix, ModelWeights, QType
     hidden, n_heads, n_kv, hd, ffn, vocab = 128, 4, 2, 32, 192, 300
     cfg = ModelConfig(arch="qwen3" if qwen else "llama", name="tiny", n_layers=2, hidden=hidden,
                       n_heads=n_heads, n_kv_heads=n_kv, head_dim=hd, ffn=ffn, vocab=vocab,
@@ -427,7 +430,7 @@ def tiny_model(rng, qwen):
                       rope_neox=qwen, context_length=4096)
 
     def q8(rows, cols):
-        return Q8Matrix(make_q8_weights(rng, rows, cols)[0], rows, cols)
+        return Matrix(make_q8_weights(rng, rows, cols)[0], QType.Q8_0, rows, cols)
 
     def norm(d):
         return rng.uniform(0.5, 1.5, d).astype(np.float32)
@@ -444,53 +447,88 @@ def tiny_model(rng, qwen):
     return SimpleNamespace(config=cfg, weights=weights)
 
 
+def _run_in_chunks(model, tokens, chunk, nthreads, max_seq=1024, rope_shift=0):
+    """Every token's logits (n, vocab) and the KV cache after running `tokens` in chunks of
+    `chunk` (1: token by token, as decode does); RoPE turns token i by i + rope_shift."""
+    from kestreld.engine.forward import Forward
+    from kestreld.engine.kvcache import KVCache
+    kv = KVCache.for_model(model.config, max_seq, 32)
+    fwd = Forward(model, kv, chunk, nthreads)
+    out = np.full((len(tokens), model.config.vocab), np.nan, np.float32)
+    for p0 in range(0, len(tokens), chunk):
+        part = tokens[p0:p0 + chunk]
+        rope = p0 + rope_shift if rope_shift else None
+        if len(part) == 1:
+            out[p0] = fwd(part, rope_pos0=rope)[0]
+        else:
+            fwd(part, logits_out=out[p0:p0 + len(part)], rope_pos0=rope)
+    return out, kv
+
+
 @pytest.mark.parametrize("qwen", [True, False])
 @pytest.mark.parametrize("nthreads", [1, 2])
-def test_decode_step_equals_the_per_kernel_path_bit_for_bit(qwen, nthreads):
-    """Transformer.forward on one token takes K.DecodeStep (all layers in one call); with
-    logits_out it takes the per-kernel path. Same logits and same stored KV, bit for bit, at
-    depths with one and with several attention splits."""
-    from kestreld.engine.forward import Forward
-    from kestreld.engine.kvcache import KVCache
+def test_one_forward_for_every_chunking(qwen, nthreads):
+    """The one forward pass: a prompt in one chunk, in chunks of 7 and token by token (the
+    decode step) gives the same logits and the same stored KV, bit for bit, while the
+    context fits one attention key range (256 keys); beyond it decode splits the keys into
+    ranges merged at the end, so only float rounding differs. Also with RoPE positions
+    shifted (Qwen3-VL text after images)."""
     rng = np.random.default_rng(11)
     model = tiny_model(rng, qwen)
-    c = model.config
-    caches = [KVCache.for_model(c, 1024, 32) for _ in range(2)]
-    fused, per_kernel = (Forward(model, kv, 64, nthreads) for kv in caches)
-    assert fused.decode_step is not None
-    prompt = rng.integers(0, c.vocab, size=600).tolist()
-    for fwd in (fused, per_kernel):
-        for p0 in range(0, 600, 64):
-            fwd(prompt[p0:p0 + 64])
-    logits = np.empty((1, c.vocab), np.float32)
-    # the last token turned by another RoPE position (Qwen3-VL text after images)
-    for tok, rope_pos in zip(rng.integers(0, c.vocab, size=4).tolist(), [None, None, None, 590]):
-        got = fused([tok], rope_pos0=rope_pos).copy()
-        per_kernel([tok], logits_out=logits, rope_pos0=rope_pos)
-        assert np.array_equal(got, logits), np.abs(got - logits).max()
-        assert np.isfinite(got).all() and got.std() > 0
-    for a, b in zip(caches[0].layer(1), caches[1].layer(1)):
-        assert np.array_equal(a[:, :604], b[:, :604])
-    unturned = np.empty_like(logits)
-    caches[1].truncate(603)
-    per_kernel([tok], logits_out=unturned)
-    assert not np.array_equal(unturned, logits)
-
-
-def test_decode_step_rejects_bad_arguments():
+    tokens = rng.integers(0, model.config.vocab, size=250).tolist()
+    for shift in (0, 9):
+        whole, kv1 = _run_in_chunks(model, tokens, 256, nthreads, rope_shift=shift)
+        assert np.isfinite(whole).all() and whole.std() > 0
+        for chunk in (7, 1):
+            got, kv2 = _run_in_chunks(model, tokens, chunk, nthreads, rope_shift=shift)
+            assert np.array_equal(got, whole), (chunk, np.abs(got - whole).max())
+            for a, b in ((kv1.k_q, kv2.k_q), (kv1.v_q, kv2.v_q), (kv1.k_s, kv2.k_s), (kv1.v_s, kv2.v_s)):
+                assert np.array_equal(a[:, :, :250], b[:, :, :250])
+    # RoPE is relative: only a token turned apart from the others changes its logits
     from kestreld.engine.forward import Forward
+    fwd = Forward(model, kv1, 256, nthreads)
+    kv1.truncate(249)
+    turned = fwd(tokens[249:], rope_pos0=240)[0]
+    assert np.isfinite(turned).all() and not np.array_equal(turned, whole[249])
+    long = rng.integers(0, model.config.vocab, size=600).tolist()
+    whole, _ = _run_in_chunks(model, long, 64, nthreads)
+    steps, _ = _run_in_chunks(model, long, 1, nthreads)
+    rel = np.sqrt(np.mean((steps - whole) ** 2) / np.mean(whole ** 2))
+    print(f"600 tokens, decode vs chunks of 64: rel RMS {rel:.2e}")
+    assert rel < 1e-5 and np.array_equal(steps.argmax(-1), whole.argmax(-1))
+
+
+def test_forward_rejects_bad_arguments():
+    from dataclasses import replace
     from kestreld.engine.kvcache import KVCache
+    from kestreld.model.weights import Matrix, QType
     model = tiny_model(np.random.default_rng(1), True)
     c = model.config
-    tr = Forward(model, KVCache.for_model(c, 256, 32), 16, 1)
+    kv = KVCache.for_model(c, 256, 32)
+    fwd = K.Forward(c, model.weights, kv, 16, 1)
+    cos = np.zeros((1, c.head_dim // 2), np.float32)
+    logits = np.zeros((1, c.vocab), np.float32)
+    tok = np.array([1], np.int32)
     with pytest.raises(ValueError, match="token"):
-        tr.decode_step.step(c.vocab, 0, tr.logits)
-    with pytest.raises(ValueError, match="position"):
-        tr.decode_step.step(0, 256, tr.logits)
+        fwd.run(np.array([c.vocab], np.int32), 0, cos, cos, logits)
+    with pytest.raises(ValueError, match="do not fit max_seq"):
+        fwd.run(tok, 256, cos, cos, logits)
     with pytest.raises(ValueError, match="logits"):
-        tr.decode_step.step(0, 0, np.zeros((1, c.vocab + 1), np.float32))
-    with pytest.raises(ValueError, match="RoPE position"):
-        tr.decode_step.step(0, 0, tr.logits, 256)
+        fwd.run(tok, 0, cos, cos, np.zeros((1, c.vocab + 1), np.float32))
+    with pytest.raises(ValueError, match="rope tables"):
+        fwd.run(tok, 0, np.zeros((2, c.head_dim // 2), np.float32), cos, logits)
+    with pytest.raises(ValueError, match="chunk of 17"):
+        fwd.run(np.ones(17, np.int32), 0, cos, cos, logits)
+    q4 = Matrix(np.zeros((c.hidden, c.hidden // 32 * 18), np.uint8), QType.Q4_0, c.hidden, c.hidden)
+    bad = replace(model.weights, layers=[replace(model.weights.layers[0], wo=q4)] + model.weights.layers[1:])
+    with pytest.raises(ValueError, match="layer 0 wo is Q4_0"):
+        K.Forward(c, bad, kv, 16, 1)
+    wrong = replace(model.weights, layers=[replace(model.weights.layers[0], wk=model.weights.layers[0].wq)]
+                    + model.weights.layers[1:])
+    with pytest.raises(ValueError, match="layer 0 wk must be"):
+        K.Forward(c, wrong, kv, 16, 1)
+    with pytest.raises(ValueError, match="2 layers, the config says 3"):
+        K.Forward(replace(c, n_layers=3), model.weights, KVCache.for_model(replace(c, n_layers=3), 64), 16, 1)
 
 
 # ---- the vision encoder's kernels -------------------------------------------------------------

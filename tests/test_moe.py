@@ -129,18 +129,9 @@ def test_moe_group_is_a_stable_sort_by_expert():
         K.moe_group(np.full((1, k), E, np.int32), counts, offsets, rows[:k], slot_pos[:1], active)
 
 
-def test_gather_rows_and_combine_match_numpy():
+def test_combine_matches_numpy():
     rng = np.random.default_rng(7)
     n, d, k = 9, 64, 3
-    xq = rng.integers(-127, 128, (n, d)).astype(np.int8)
-    xd = rng.random((n, d // 32)).astype(np.float32)
-    rows = rng.integers(0, n, n * k).astype(np.int32)
-    gq = np.zeros((n * k, d), np.int8)
-    gd = np.zeros((n * k, d // 32), np.float32)
-    K.gather_rows_q8_0(xq, xd, rows, gq, gd, 2)
-    np.testing.assert_array_equal(gq, xq[rows])
-    np.testing.assert_array_equal(gd, xd[rows])
-
     y = rng.normal(size=(n * k, d)).astype(np.float32)
     slot_pos = rng.permutation(n * k).reshape(n, k).astype(np.int32)
     top_w = rng.random((n, k)).astype(np.float32)
@@ -173,9 +164,9 @@ def test_gguf_and_hf_load_the_same_moe_model(moe_zoo):
         for part in ("gate", "up", "down"):   # Q8_0 experts: views of the map, no copy
             assert np.shares_memory(getattr(a.moe, part).data, reader.data)
             np.testing.assert_array_equal(getattr(a.moe, part).data, getattr(b.moe, part).data)
-        np.testing.assert_array_equal(a.moe.router, m.weights[f"model.layers.{i}.mlp.gate.weight"])
-        np.testing.assert_array_equal(b.moe.router, a.moe.router)
-        assert f16.weights.layers[i].moe.router.dtype == np.float32
+        np.testing.assert_array_equal(a.moe.router.floats(), m.weights[f"model.layers.{i}.mlp.gate.weight"])
+        np.testing.assert_array_equal(b.moe.router.floats(), a.moe.router.floats())
+        assert f16.weights.layers[i].moe.router.qtype.name == "F32"
 
     raw = moe_zoo.get("qwen3moe_raw")
     for path in (raw.gguf["q8_0"], raw.hf_dir):   # GGUF: expert_weights_norm = false
@@ -214,21 +205,19 @@ def test_gguf_router_left_float_counts_as_q8_0(moe_zoo):
 
 # ---------------------------------------------------------------- forward
 
-def _record_routing(engine: Engine) -> list:
-    """Wraps the engine's MoE step to record each call's (n, k) expert choice."""
-    moe, calls = engine.forward.moe, []
-    add = moe.add
-
-    def recording_add(w, xn, x):
-        add(w, xn, x)
-        calls.append(moe.top_idx[:xn.shape[0]].copy())
-    moe.add = recording_add
-    return calls
-
-
-def _per_layer(calls: list, n_moe_layers: int) -> list:
-    """Calls are (chunk, layer) in order; -> per layer, the choices of all tokens."""
-    return [np.concatenate(calls[li::n_moe_layers]) for li in range(n_moe_layers)]
+def _logits_and_routing(engine: Engine, ids) -> tuple:
+    """Every token's logits (n, vocab) and, per MoE layer, every token's chosen experts
+    (n, k), from the forward pass run over ids in chunks of the engine's prefill_chunk."""
+    c, fwd = engine.model.config, engine.forward
+    engine.kv.truncate(0)
+    logits = np.empty((len(ids), c.vocab), np.float32)
+    routing = np.empty((len(c.moe_layers), len(ids), c.n_experts_used), np.int32)
+    for p0 in range(0, len(ids), engine.prefill_chunk):
+        chunk = ids[p0:p0 + engine.prefill_chunk]
+        part = np.empty((len(c.moe_layers), len(chunk), c.n_experts_used), np.int32)
+        fwd(chunk, logits_out=logits[p0:p0 + len(chunk)], routing=part)
+        routing[:, p0:p0 + len(chunk)] = part
+    return logits, list(routing)
 
 
 def _hf_routing(model, layers):
@@ -249,10 +238,7 @@ def test_logits_and_routing_match_transformers(moe_zoo, moe_hf, name, source, n)
     layers = loaded.config.moe_layers
     ids = modelgen_moe.prompt_ids(name, n, seed=1)
     engine = _engine(loaded, n + 64)
-    calls = _record_routing(engine)
-    engine.kv.truncate(0)
-    got = engine.forward_logits(ids, 0)
-    ours = _per_layer(calls, len(layers))
+    got, ours = _logits_and_routing(engine, ids)
 
     theirs, hooks = _hf_routing(moe_hf.model(name), layers)
     exact = moe_hf.logits(name, ids)
@@ -303,30 +289,26 @@ def test_chunking_and_prefix_reuse_keep_greedy_tokens(moe_zoo):
 
 
 @pytest.mark.parametrize("nthreads", [1, 2])
-def test_decode_step_equals_the_per_kernel_path_bit_for_bit(moe_zoo, nthreads):
-    """One token through Transformer.forward takes K.DecodeStep, which routes and runs the
-    experts in C; with logits_out it takes the per-kernel path (moe.py). Same logits and the
-    same stored KV, bit for bit, in a model with MoE and dense layers."""
-    from kestreld.engine.forward import Forward
-    from kestreld.engine.kvcache import KVCache
+def test_decode_equals_prefill_bit_for_bit(moe_zoo, nthreads):
+    """The one forward pass routes and runs the experts the same way for one token (decode)
+    and for a chunk: token by token, in chunks of 7 and in one chunk, the same logits, the
+    same routing and the same stored KV, bit for bit (the context fits one attention key
+    range), in a model with MoE and dense layers."""
     loaded = load_model(str(moe_zoo.get("qwen3moe_norm").gguf["q8_0"]))
     c = loaded.config
     assert c.moe_layers and len(c.moe_layers) < c.n_layers
-    caches = [KVCache.for_model(c, 512, 32) for _ in range(2)]
-    fused, per_kernel = (Forward(loaded, kv, 64, nthreads) for kv in caches)
-    prompt = modelgen_moe.prompt_ids("qwen3moe_norm", 200, seed=5)
-    for fwd in (fused, per_kernel):
-        for p0 in range(0, 200, 64):
-            fwd(prompt[p0:p0 + 64])
-    logits = np.empty((1, c.vocab), np.float32)
-    for tok in modelgen_moe.prompt_ids("qwen3moe_norm", 6, seed=6):
-        got = fused([tok]).copy()
-        per_kernel([tok], logits_out=logits)
+    ids = modelgen_moe.prompt_ids("qwen3moe_norm", 200, seed=5)
+    runs = []
+    for chunk in (256, 7, 1):
+        engine = Engine(loaded, max_seq=512, threads=nthreads, prefill_chunk=chunk)
+        runs.append((*_logits_and_routing(engine, ids), engine.kv))
+    (logits, routing, kv) = runs[0]
+    assert np.isfinite(logits).all() and logits.std() > 0
+    for got, rt, kv2 in runs[1:]:
         assert np.array_equal(got, logits), np.abs(got - logits).max()
-        assert np.isfinite(got).all() and got.std() > 0
-    for li in range(c.n_layers):
-        for a, b in zip(caches[0].layer(li), caches[1].layer(li)):
-            assert np.array_equal(a[:, :206], b[:, :206])
+        assert all(np.array_equal(a, b) for a, b in zip(rt, routing))
+        for a, b in ((kv.k_q, kv2.k_q), (kv.v_q, kv2.v_q), (kv.k_s, kv2.k_s), (kv.v_s, kv2.v_s)):
+            assert np.array_equal(a[:, :, :200], b[:, :, :200])
 
 
 # ---------------------------------------------------------------- memory
@@ -368,7 +350,7 @@ def test_only_chosen_experts_become_resident(moe_zoo):
     _map_pages_one_by_one(path, loaded.keepalive[0].data)
     c = loaded.config
     engine = _engine(loaded, 128)
-    calls = _record_routing(engine)
+    k, n_moe = c.n_experts_used, len(c.moe_layers)
     fd = os.open("/proc/self/pagemap", os.O_RDONLY)
     try:
         def check(chosen_per_layer):
@@ -384,11 +366,13 @@ def test_only_chosen_experts_become_resident(moe_zoo):
 
         before = [_resident_fraction(L.moe.up.data, fd) for L in loaded.weights.layers]
         assert max(before) < 0.05, before                  # loading touches no expert
-        engine.kv.truncate(0)
-        engine.forward_logits([5], 0)
-        check(_per_layer(calls, len(c.moe_layers)))
-        engine.forward_logits(modelgen_moe.prompt_ids("qwen3moe_pages", 12, seed=9), 1)
-        check(_per_layer(calls, len(c.moe_layers)))
+        first = np.empty((n_moe, 1, k), np.int32)
+        engine.forward([5], routing=first)                 # one token: decode
+        check(first)
+        ids = modelgen_moe.prompt_ids("qwen3moe_pages", 12, seed=9)
+        chunk = np.empty((n_moe, 12, k), np.int32)
+        engine.forward(ids, logits_out=np.empty((12, c.vocab), np.float32), routing=chunk)
+        check(np.concatenate([first, chunk], axis=1))
         touched = np.mean([_resident_fraction(L.moe.up.data, fd) for L in loaded.weights.layers])
         print(f"expert pages resident after 13 tokens: {touched:.2f}")
     finally:

@@ -17,7 +17,7 @@ from gguf.gguf_reader import ReaderField
 
 from ..errors import ModelLoadError
 from .config import ModelConfig
-from .weights import Q8_BLOCK, Q8Experts, Q8Matrix
+from .weights import Q8_BLOCK, Matrix, QType
 from .quant import SUPPORTED_TYPES, dequantize_gguf, gguf_to_q8_0
 from ..text.tokenizer import Tokenizer
 
@@ -195,18 +195,22 @@ class GGUFFile:
                                  f"got {got}, want {tuple(shape)}")
         return np.array(dequantize_gguf(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
 
-    def q8_matrix(self, name: str, rows: int, cols: int) -> Q8Matrix:
-        """The (rows, cols) matrix `name` as Q8_0 (in place when the file holds Q8_0)."""
+    def matrix_of(self, name: str, shape: tuple) -> Matrix:
+        """The tensor `name` of `shape` ((rows, cols), or (n_mat, rows, cols) for stacked
+        experts) as a Matrix: Q8_0 in place from the map when the file holds Q8_0,
+        converted to Q8_0 otherwise."""
         t = self._tensor(name)
-        got = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions fastest first
-        if got != (rows, cols):
+        got = self.shape(name)
+        if got != tuple(shape):
             raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
-                                 f"got {got}, want {(rows, cols)}")
+                                 f"got {got}, want {tuple(shape)}")
+        rows, cols = shape[-2:]
         if cols % Q8_BLOCK:
             raise ModelLoadError(f"{self.path}: tensor {name} has {cols} columns, "
                                  f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
-        data = np.asarray(t.data).reshape(rows, -1)
-        return Q8Matrix(gguf_to_q8_0(data, t.tensor_type), rows, cols)
+        data = np.asarray(t.data).reshape(int(np.prod(shape[:-1])), -1)
+        q8 = gguf_to_q8_0(data, t.tensor_type)
+        return Matrix(q8.reshape(shape[:-1] + (-1,)), QType.Q8_0, rows, cols)
 
 
 class GGUFSource(GGUFFile):
@@ -318,29 +322,18 @@ class GGUFSource(GGUFFile):
         """The file's tensor name for a weight role."""
         return TENSOR_NAMES[role].format(i=layer)
 
-    def matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Q8Matrix:
-        """The (rows, cols) matrix for `role` as Q8_0 (in place when the file holds Q8_0)."""
-        return self.q8_matrix(self.name(role, layer), rows, cols)
+    def matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Matrix:
+        """The (rows, cols) matrix for `role` (in place when the file holds Q8_0)."""
+        return self.matrix_of(self.name(role, layer), (rows, cols))
 
-    def experts(self, role: str, layer: int, n_expert: int, rows: int, cols: int) -> Q8Experts:
-        """The stacked (n_expert, rows, cols) expert matrices for `role` as Q8_0 (in place,
-        one view of the memory map, when the file holds Q8_0)."""
-        name = self.name(role, layer)
-        t = self._tensor(name)
-        got = tuple(int(d) for d in reversed(t.shape))
-        if got != (n_expert, rows, cols):
-            raise ModelLoadError(f"{self.path}: wrong shape for tensor {name}: "
-                                 f"got {got}, want {(n_expert, rows, cols)}")
-        if cols % Q8_BLOCK:
-            raise ModelLoadError(f"{self.path}: tensor {name} has {cols} columns, "
-                                 f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
-        data = np.asarray(t.data).reshape(n_expert * rows, -1)
-        q8 = gguf_to_q8_0(data, t.tensor_type)
-        return Q8Experts(q8.reshape(n_expert, rows, -1), n_expert, rows, cols)
+    def experts(self, role: str, layer: int, n_expert: int, rows: int, cols: int) -> Matrix:
+        """The n_expert stacked (rows, cols) expert matrices for `role` (in place, one view
+        of the memory map, when the file holds Q8_0)."""
+        return self.matrix_of(self.name(role, layer), (n_expert, rows, cols))
 
-    def float_matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> np.ndarray:
-        """The (rows, cols) matrix for `role` as float32 (a copy; small matrices only)."""
-        return self.tensor_f32(self.name(role, layer), (rows, cols))
+    def float_matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Matrix:
+        """The (rows, cols) matrix for `role` as an F32 Matrix (a copy; small matrices only)."""
+        return Matrix.of_floats(self.tensor_f32(self.name(role, layer), (rows, cols)))
 
     def vector(self, role: str, layer: Optional[int], n: int) -> np.ndarray:
         """The float32 (n,) vector for `role` (a norm weight; a copy, independent of the map)."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import ModelLoadError
 from .config import ModelConfig
-from .weights import Q8_BLOCK, Q8_BLOCK_BYTES, Q8Experts, Q8Matrix
+from .weights import Q8_BLOCK, Q8_BLOCK_BYTES, Matrix, QType
 from .quant import bf16_to_f32, float_to_q8_0
 from ..text.tokenizer import Tokenizer
 
@@ -259,16 +259,16 @@ class HFSource:
                                  f"got {t.shape}, want {want}")
         return t
 
-    def matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Q8Matrix:
+    def matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Matrix:
         """The (rows, cols) matrix for `role`, converted to Q8_0."""
         name = self.name(role, layer)
         t = self._tensor(name, (rows, cols))
         if cols % Q8_BLOCK:
             raise ModelLoadError(f"{t.file}: tensor {name} has {cols} columns, "
                                  f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
-        return Q8Matrix(float_to_q8_0(t.data, bf16=t.dtype == "BF16"), rows, cols)
+        return Matrix(float_to_q8_0(t.data, bf16=t.dtype == "BF16"), QType.Q8_0, rows, cols)
 
-    def experts(self, role: str, layer: int, n_expert: int, rows: int, cols: int) -> Q8Experts:
+    def experts(self, role: str, layer: int, n_expert: int, rows: int, cols: int) -> Matrix:
         """The n_expert per-expert (rows, cols) tensors of `role`, converted to Q8_0 and
         stacked (n_expert, rows, cols/32*34)."""
         if cols % Q8_BLOCK:
@@ -278,12 +278,11 @@ class HFSource:
         for e in range(n_expert):
             t = self._tensor(TENSOR_NAMES[role].format(i=layer, e=e), (rows, cols))
             out[e] = float_to_q8_0(t.data, bf16=t.dtype == "BF16")
-        return Q8Experts(out, n_expert, rows, cols)
+        return Matrix(out, QType.Q8_0, rows, cols)
 
-    def float_matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> np.ndarray:
-        """The (rows, cols) matrix for `role` as float32 (a copy)."""
-        t = self._tensor(self.name(role, layer), (rows, cols))
-        return np.array(bf16_to_f32(t.data) if t.dtype == "BF16" else t.data, dtype=np.float32)
+    def float_matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Matrix:
+        """The (rows, cols) matrix for `role` as an F32 Matrix (a copy)."""
+        return Matrix.of_floats(self.tensor_f32(self.name(role, layer), (rows, cols)))
 
     def shape(self, name: str) -> tuple:
         """The shape of the tensor `name` as the file holds it."""

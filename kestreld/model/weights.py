@@ -1,13 +1,15 @@
-"""What a loaded model is: hyperparameters, Q8_0 weights, tokenizer, chat template.
+"""A model's weights, typed: the Python side of the weight ABI (pyx/ks_weights.h).
 
-Loaders (`gguf_file`, `hf_dir`) produce a `LoadedModel`; the forward pass reads it.
-Every weight matrix is Q8_0 in the GGUF layout, whatever the file held:
+Every weight matrix is a `Matrix`: its rows as the file lays them out, its GGML quant type
+and its shape. Where the file holds a type the kernels compute on, `data` is a view of the
+file's memory map (no copy); matrices of different types stand side by side in one model.
+A stack of MoE experts is one Matrix with n_mat > 1. pyx/forward.pxi builds the C structs
+(ks_matrix, ks_layer, ks_model) from these dataclasses by field name.
 
     Q8_0 row of `cols` values = cols/32 blocks of 34 bytes: fp16 scale d, then 32 int8 q;
-    value = d * q.   A matrix (rows, cols) is a uint8 array (rows, cols/32*34).
+    value = d * q.          F32 row = cols little-endian float32 (MoE routers).
 
-For a Q8_0 GGUF the arrays are views of the file's memory map (no copy); other formats
-are converted once at load. Norm weights are float32 vectors.
+Norm weights are float32 vectors.
 """
 from __future__ import annotations
 
@@ -15,72 +17,97 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-Q8_BLOCK = 32          # values per Q8_0 block
+QType = GGMLQuantizationType
+Q8_BLOCK = 32          # values per Q8_0 block (also the activations' quantization block)
 Q8_BLOCK_BYTES = 34    # fp16 scale + 32 int8
 
+# The types the kernels compute on in place; any other type is converted at load.
+COMPUTE_TYPES = (QType.Q8_0, QType.F32)
+
+
+def row_bytes(qtype: QType, cols: int) -> int:
+    """Bytes of one row of `cols` values of `qtype` (cols a multiple of its block)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    if cols % block:
+        raise ValueError(f"{qtype.name} rows hold multiples of {block} values, not {cols}")
+    return cols // block * size
+
 
 @dataclass(frozen=True)
-class Q8Matrix:
-    """A (rows, cols) matrix in GGUF Q8_0 layout: `data` is uint8 (rows, cols/32*34)."""
+class Matrix:
+    """A (rows, cols) matrix, or n_mat stacked ones: `data` is uint8 (rows, row_bytes) or
+    (n_mat, rows, row_bytes), C-contiguous rows of GGML type `qtype`."""
     data: np.ndarray
+    qtype: QType
     rows: int
     cols: int
 
     def __post_init__(self):
-        want = (self.rows, self.cols // Q8_BLOCK * Q8_BLOCK_BYTES)
-        if self.cols % Q8_BLOCK or self.data.dtype != np.uint8 or self.data.shape != want:
-            raise ValueError(f"Q8Matrix: data {self.data.dtype}{self.data.shape} does not hold "
-                             f"({self.rows}, {self.cols}) Q8_0 (want uint8{want})")
+        want = (self.rows, row_bytes(self.qtype, self.cols))
+        got = self.data.shape[-2:] if self.data.ndim in (2, 3) else None
+        if self.data.dtype != np.uint8 or got != want or not self.data.flags.c_contiguous:
+            raise ValueError(f"Matrix: data {self.data.dtype}{self.data.shape} does not hold "
+                             f"{self.qtype.name} ({self.rows}, {self.cols}) rows (want "
+                             f"C-contiguous uint8 (..., {want[0]}, {want[1]}))")
 
+    @property
+    def n_mat(self) -> int:
+        """1, or the number of stacked matrices (MoE experts)."""
+        return self.data.shape[0] if self.data.ndim == 3 else 1
 
-@dataclass(frozen=True)
-class Q8Experts:
-    """`n_expert` stacked (rows, cols) Q8_0 matrices: `data` is uint8 (n_expert, rows,
-    cols/32*34) and data[e] is expert e's matrix (a C-contiguous view, no copy)."""
-    data: np.ndarray
-    n_expert: int
-    rows: int
-    cols: int
+    @classmethod
+    def of_floats(cls, x: np.ndarray) -> "Matrix":
+        """An F32 matrix holding a copy of the float (rows, cols) array x."""
+        x = np.ascontiguousarray(x, dtype="<f4")
+        return cls(x.view(np.uint8).reshape(x.shape[0], -1), QType.F32, *x.shape)
 
-    def __post_init__(self):
-        want = (self.n_expert, self.rows, self.cols // Q8_BLOCK * Q8_BLOCK_BYTES)
-        if (self.cols % Q8_BLOCK or self.data.dtype != np.uint8 or self.data.shape != want
-                or not self.data.flags.c_contiguous):
-            raise ValueError(f"Q8Experts: data {self.data.dtype}{self.data.shape} does not hold "
-                             f"{self.n_expert} x ({self.rows}, {self.cols}) Q8_0 "
-                             f"(want C-contiguous uint8{want})")
+    def floats(self) -> np.ndarray:
+        """An F32 matrix's values, (rows, cols) float32 (a view)."""
+        if self.qtype != QType.F32:
+            raise ValueError(f"floats() of a {self.qtype.name} matrix")
+        return self.data.view("<f4").reshape(self.data.shape[:-1] + (self.cols,))
 
 
 @dataclass(frozen=True)
 class MoEWeights:
     """The sparse feed-forward of one MoE layer: a router and n_expert SwiGLU experts."""
-    router: np.ndarray            # (n_expert, hidden) f32: router logits = xn @ router.T
-    gate: Q8Experts               # n_expert x (expert_ffn, hidden)
-    up: Q8Experts                 # n_expert x (expert_ffn, hidden)
-    down: Q8Experts               # n_expert x (hidden, expert_ffn)
+    router: Matrix                # F32 (n_expert, hidden): router logits = xn @ router.T
+    gate: Matrix                  # n_expert x (expert_ffn, hidden)
+    up: Matrix                    # n_expert x (expert_ffn, hidden)
+    down: Matrix                  # n_expert x (hidden, expert_ffn)
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     """One transformer block. Matrices are (out, in)."""
     attn_norm: np.ndarray         # (hidden,) f32
-    wq: Q8Matrix                  # (n_heads*head_dim, hidden)
-    wk: Q8Matrix                  # (n_kv_heads*head_dim, hidden)
-    wv: Q8Matrix                  # (n_kv_heads*head_dim, hidden)
-    wo: Q8Matrix                  # (hidden, n_heads*head_dim)
+    wq: Matrix                    # (n_heads*head_dim, hidden)
+    wk: Matrix                    # (n_kv_heads*head_dim, hidden)
+    wv: Matrix                    # (n_kv_heads*head_dim, hidden)
+    wo: Matrix                    # (hidden, n_heads*head_dim)
     q_norm: Optional[np.ndarray]  # (head_dim,) f32, Qwen3 only
     k_norm: Optional[np.ndarray]  # (head_dim,) f32, Qwen3 only
     ffn_norm: np.ndarray          # (hidden,) f32
-    w_gate: Optional[Q8Matrix]    # (ffn, hidden); None in a MoE layer
-    w_up: Optional[Q8Matrix]      # (ffn, hidden); None in a MoE layer
-    w_down: Optional[Q8Matrix]    # (hidden, ffn); None in a MoE layer
+    w_gate: Optional[Matrix]      # (ffn, hidden); None in a MoE layer
+    w_up: Optional[Matrix]        # (ffn, hidden); None in a MoE layer
+    w_down: Optional[Matrix]      # (hidden, ffn); None in a MoE layer
     moe: Optional[MoEWeights] = None  # the layer's feed-forward when it is MoE
 
 
 @dataclass(frozen=True)
 class ModelWeights:
-    tok_embd: Q8Matrix            # (vocab, hidden)
+    tok_embd: Matrix              # (vocab, hidden)
     layers: list[LayerWeights]
     out_norm: np.ndarray          # (hidden,) f32
-    output: Q8Matrix              # (vocab, hidden); the same object as tok_embd when tied
+    output: Matrix                # (vocab, hidden); the same object as tok_embd when tied
+
+    def matrices(self) -> list:
+        """Every matrix once (the tied output is the embedding)."""
+        out = [self.tok_embd] + ([] if self.output is self.tok_embd else [self.output])
+        for L in self.layers:
+            out += [L.wq, L.wk, L.wv, L.wo]
+            out += ([L.moe.router, L.moe.gate, L.moe.up, L.moe.down] if L.moe
+                    else [L.w_gate, L.w_up, L.w_down])
+        return out

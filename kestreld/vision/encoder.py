@@ -28,13 +28,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 
 from ..errors import ModelLoadError
 from .images import ImageSpec, PreparedImage
 from ..kernels import K
-from ..model.weights import Q8_BLOCK, Q8Matrix
+from ..model.weights import Q8_BLOCK, Matrix, QType
 from ..model.quant import float_to_q8_0
 
 LN_EPS = 1e-6
@@ -60,25 +61,39 @@ class VisionConfig:
     image: ImageSpec
 
 
-class _Linear:
-    """y = x @ W.T + b, W (out, in): on the Q8_0 kernel (W a Q8Matrix), or float32 BLAS."""
+class Linear:
+    """y = x @ W.T + b, W (out, in): a quantized Matrix on the kernels' product, or a float32
+    array on numpy's BLAS (the patch embedding and the mergers, see the module docstring)."""
 
-    def __init__(self, w, b: np.ndarray):
+    def __init__(self, w: Union[Matrix, np.ndarray], b: np.ndarray):
         self.b = np.ascontiguousarray(b, np.float32)
-        self.q8 = w if isinstance(w, Q8Matrix) else None
-        self.rows, self.cols = (w.rows, w.cols) if self.q8 is not None else w.shape
-        self.wt = None if self.q8 is not None else np.ascontiguousarray(w.T, np.float32)
+        self.matrix = w if isinstance(w, Matrix) else None
+        self.rows, self.cols = (w.rows, w.cols) if self.matrix is not None else w.shape
+        self.wt = None if self.matrix is not None else np.ascontiguousarray(w.T, np.float32)
 
     def __call__(self, x: np.ndarray, out: np.ndarray, scratch: _Scratch, threads: int) -> np.ndarray:
         """out (n, rows) = x (n, cols) @ W.T + b; returns out."""
-        if self.q8 is None:
+        if self.matrix is None:
             np.matmul(x, self.wt, out=out)
         else:
             xq, xd = scratch.q8_rows(x.shape[0], self.cols)
             K.quantize_q8_0(x, xq, xd, threads)
-            K.matmul_q8_0(self.q8.data, xq, xd, out, threads)
+            K.matmul(self.matrix.data, int(self.matrix.qtype), xq, xd, out, threads)
         out += self.b
         return out
+
+
+@dataclass(frozen=True)
+class VisionBlock:
+    """One block of the vision tower: pre-norm attention and MLP, LayerNorms with bias."""
+    norm1_w: np.ndarray           # (hidden,) f32
+    norm1_b: np.ndarray
+    qkv: Linear                   # (3*hidden, hidden): q, k, v stacked as rows
+    proj: Linear                  # (hidden, hidden)
+    norm2_w: np.ndarray
+    norm2_b: np.ndarray
+    fc1: Linear                   # (ffn, hidden)
+    fc2: Linear                   # (hidden, ffn)
 
 
 class _Scratch:
@@ -113,9 +128,9 @@ class _Merger:
         norm_n = wide if postshuffle else c.hidden
         self.postshuffle, self.wide = postshuffle, wide
         self.norm_w, self.norm_b = get(prefix + "norm.weight", (norm_n,)), get(prefix + "norm.bias", (norm_n,))
-        self.fc1 = _Linear(get(prefix + "linear_fc1.weight", (wide, wide)),
+        self.fc1 = Linear(get(prefix + "linear_fc1.weight", (wide, wide)),
                            get(prefix + "linear_fc1.bias", (wide,)))
-        self.fc2 = _Linear(get(prefix + "linear_fc2.weight", (c.out_hidden, wide)),
+        self.fc2 = Linear(get(prefix + "linear_fc2.weight", (c.out_hidden, wide)),
                            get(prefix + "linear_fc2.bias", (c.out_hidden,)))
 
     def __call__(self, x: np.ndarray, s: _Scratch, threads: int) -> np.ndarray:
@@ -134,30 +149,30 @@ class VisionEncoder:
 
     def __init__(self, c: VisionConfig, get, get_q8=None):
         """`get(name, shape)` returns a float32 tensor (by its Hugging Face name);
-        `get_q8(name, shape)` a block linear's weight as a Q8Matrix (a Q8_0 mmproj's in
+        `get_q8(name, shape)` a block linear's weight as a Matrix (a Q8_0 mmproj's in
         place; by default `get`'s float32, quantized here)."""
         self.cfg = c
         H, p = c.hidden, c.patch
         if get_q8 is None:
             def get_q8(name, shape):
-                return Q8Matrix(float_to_q8_0(get(name, shape)), *shape)
+                return Matrix(float_to_q8_0(get(name, shape)), QType.Q8_0, *shape)
 
         def block_linear(name, rows, cols):
-            return _Linear(get_q8(name + ".weight", (rows, cols)), get(name + ".bias", (rows,)))
+            return Linear(get_q8(name + ".weight", (rows, cols)), get(name + ".bias", (rows,)))
 
         conv = get(VISUAL + "patch_embed.proj.weight", (H, 3, c.temporal_patch, p, p))
         # The processor repeats the frame over the temporal taps: sum them once here.
-        self.patch_embed = _Linear(conv.sum(axis=2).reshape(H, 3 * p * p),
+        self.patch_embed = Linear(conv.sum(axis=2).reshape(H, 3 * p * p),
                                    get(VISUAL + "patch_embed.proj.bias", (H,)))
         self.pos_embed = get(VISUAL + "pos_embed.weight", (c.pos_side * c.pos_side, H))
         self.blocks = []
         for i in range(c.depth):
             b = f"{VISUAL}blocks.{i}."
-            self.blocks.append(dict(
-                norm1=(get(b + "norm1.weight", (H,)), get(b + "norm1.bias", (H,))),
-                norm2=(get(b + "norm2.weight", (H,)), get(b + "norm2.bias", (H,))),
+            self.blocks.append(VisionBlock(
+                norm1_w=get(b + "norm1.weight", (H,)), norm1_b=get(b + "norm1.bias", (H,)),
                 qkv=block_linear(b + "attn.qkv", 3 * H, H),
                 proj=block_linear(b + "attn.proj", H, H),
+                norm2_w=get(b + "norm2.weight", (H,)), norm2_b=get(b + "norm2.bias", (H,)),
                 fc1=block_linear(b + "mlp.linear_fc1", c.ffn, H),
                 fc2=block_linear(b + "mlp.linear_fc2", H, c.ffn),
             ))
@@ -203,16 +218,16 @@ class VisionEncoder:
                 np.ascontiguousarray(np.sin(ang), np.float32))
 
     # ---- the encoder ------------------------------------------------------------
-    def _attention(self, s: _Scratch, blk: dict, cos, sin, threads: int) -> None:
+    def _attention(self, s: _Scratch, blk: VisionBlock, cos, sin, threads: int) -> None:
         """s.y = the attention half of a block on s.xn (LayerNorm1 of the residual)."""
         n, nh, hd = s.x.shape[0], self.cfg.n_heads, self.head_dim
-        qkv = blk["qkv"](s.xn, s.qkv, s, threads).reshape(n, 3, nh, hd)
+        qkv = blk.qkv(s.xn, s.qkv, s, threads).reshape(n, 3, nh, hd)
         for i, dst in enumerate((s.q, s.k, s.v)):   # the kernels take contiguous heads
             np.copyto(dst, qkv[:, i])
         K.rope(s.q, cos, sin, 0, True, threads)
         K.rope(s.k, cos, sin, 0, True, threads)
         K.full_attention(s.q, s.k, s.v, hd ** -0.5, s.att, threads)
-        blk["proj"](s.att.reshape(n, nh * hd), s.y, s, threads)
+        blk.proj(s.att.reshape(n, nh * hd), s.y, s, threads)
 
     def encode(self, img: PreparedImage, threads: int):
         """(embeds (n_tok, out_hidden), [deepstack_j (n_tok, out_hidden)]) of one image,
@@ -225,13 +240,13 @@ class VisionEncoder:
         cos, sin = self._rope_tables(rows.astype(np.float32), cols.astype(np.float32))
         deepstack = []
         for i, blk in enumerate(self.blocks):
-            K.layernorm(x, *blk["norm1"], LN_EPS, s.xn, threads)
+            K.layernorm(x, blk.norm1_w, blk.norm1_b, LN_EPS, s.xn, threads)
             self._attention(s, blk, cos, sin, threads)
             x += s.y
-            K.layernorm(x, *blk["norm2"], LN_EPS, s.xn, threads)
-            h = blk["fc1"](s.xn, s.ffn, s, threads)
+            K.layernorm(x, blk.norm2_w, blk.norm2_b, LN_EPS, s.xn, threads)
+            h = blk.fc1(s.xn, s.ffn, s, threads)
             K.gelu_tanh(h, h, threads)
-            x += blk["fc2"](h, s.y, s, threads)
+            x += blk.fc2(h, s.y, s, threads)
             if i in self.cfg.deepstack:
                 j = self.cfg.deepstack.index(i)
                 deepstack.append(self.deepstack_mergers[j](x, s, threads))

@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import ModelLoadError
 from ..model.gguf_file import GGUFFile
 from .images import ImageSpec
-from ..model.weights import Q8Matrix
+from ..model.weights import Matrix
 from .encoder import VISUAL, VisionConfig, VisionEncoder, check_vision_config
 
 PROJECTOR_TYPE = "qwen3vl_merger"      # gguf VisionProjectorType.QWEN3VL
@@ -85,8 +85,8 @@ def load_mmproj(path: str, text) -> VisionEncoder:
             return np.stack([f.tensor_f32(k, tap) for k in PATCH_KERNELS], axis=2)
         return f.tensor_f32(names[name], shape)
 
-    def get_q8(name: str, shape: tuple) -> Q8Matrix:   # a Q8_0 mmproj's blocks: in place
-        return f.q8_matrix(names[name], *shape)
+    def get_q8(name: str, shape: tuple) -> Matrix:   # a Q8_0 mmproj's blocks: in place
+        return f.matrix_of(names[name], shape)
 
     return VisionEncoder(c, get, get_q8)
 

@@ -1,0 +1,442 @@
+/* Kestrel kernels: the forward pass, one for any number of tokens (no Python here).
+ *
+ * ks_forward runs a chunk of n >= 1 tokens through every layer and the output matrix in one
+ * OpenMP parallel region: n == 1 is a decode step, n > 1 a prefill chunk. Per layer, with the
+ * chunk's tokens at KV rows pos0 .. pos0 + n - 1:
+ *
+ *   x (n, hidden) --rmsnorm, Q8_0--> q, k, v = Wq, Wk, Wv . x    (every thread: its own x)
+ *     per (token, head): q/k norm (Qwen3), RoPE by the token's tables; k, v -> the KV arena
+ *     attention over KV rows 0 .. pos0 + t (int8 K/V, online softmax) -> att, Q8_0 per head
+ *     x += Wo . att
+ *   x --rmsnorm, Q8_0--> dense: swiglu(Wgate . x, Wup . x) -> Q8_0 -> x += Wdown . h
+ *                        MoE:   router -> top-k experts -> the same per expert, over the
+ *                               tokens routed to it -> x += the router-weighted sum
+ *   Qwen3-VL: visual tokens' input rows come from the vision encoder, and the first
+ *   layers' DeepStack features are added to their rows after those layers.
+ * Then rmsnorm, Q8_0, logits = Woutput . x (the last token's, or every token's).
+ *
+ * Each thread keeps its own copy of the residual stream x (all n rows): it adds, norms and
+ * quantizes it itself (the same bits on every thread), so no thread waits for another
+ * between a product and the next; the products, the per-head work and attention are shared
+ * with `omp for`, and their outputs are read after the barrier that ends them (7 barriers a
+ * dense layer). Every value is computed by the same operations in the same order whatever
+ * n, the chunking and the thread count, except attention's reduction over keys (split into
+ * ranges in decode, tiled by tokens in prefill), so the KV and logits of a token do not
+ * depend on how its prompt was cut into chunks beyond float rounding in attention.
+ */
+#ifndef KS_FORWARD_H
+#define KS_FORWARD_H
+
+#include <omp.h>
+#include <stdlib.h>
+#include "ks_common.h"
+#include "ks_weights.h"
+#include "ks_rows.h"
+#include "ks_attention.h"
+#include "ks_moe.h"
+
+#define KS_DECODE_ROWS 16     /* output rows per work item of a one-token product */
+#define KS_FFN_BLOCK 32       /* FFN rows per work item: one Q8_0 block of the swiglu output */
+
+/* One transformer block (kestreld/model/weights.py's LayerWeights). */
+typedef struct {
+    const float *attn_norm, *ffn_norm;   /* (hidden) */
+    const float *q_norm, *k_norm;        /* (hd); NULL: none (Llama) */
+    ks_matrix wq, wk, wv, wo;            /* (n_heads*hd, hidden), (n_kv*hd, hidden) x2, (hidden, n_heads*hd) */
+    ks_matrix gate, up, down;            /* dense: (ffn, hidden) x2, (hidden, ffn); MoE: n_exp stacked */
+    ks_matrix router;                    /* F32 (n_exp, hidden); data NULL: a dense layer */
+} ks_layer;
+
+/* The model (ModelWeights + ModelConfig). */
+typedef struct {
+    int n_layers, hidden, n_heads, n_kv, hd, ffn, vocab;
+    int n_exp, n_used, expert_ffn, norm_topk;   /* MoE layers; n_exp 0: none */
+    int neox;                                    /* RoPE pairs: halves (1) or adjacent (0) */
+    float eps, scale;                            /* RMSNorm epsilon, 1/sqrt(hd) */
+    ks_matrix tok_embd, output;                  /* (vocab, hidden) */
+    const float *out_norm;                       /* (hidden) */
+    const ks_layer *layers;                      /* (n_layers) */
+} ks_model;
+
+/* The KV arena (kestreld/engine/kvcache.py's layout). */
+typedef struct {
+    int8_t *k_q, *v_q;        /* (n_layers, n_kv, max_seq, hd) */
+    float *k_s, *v_s;         /* (n_layers, n_kv, max_seq) */
+    int max_seq, kv_bs;
+} ks_kv;
+
+/* One chunk of tokens and what comes out of it. */
+typedef struct {
+    int n, pos0;                      /* n tokens at KV rows pos0 .. pos0 + n - 1 */
+    const int32_t *tokens;            /* (n) */
+    const float *rope_cos, *rope_sin; /* (n, hd/2): each token's rotation */
+    int n_vis;                        /* Qwen3-VL: visual tokens in the chunk */
+    const int32_t *vis_rows;          /* (n_vis) their indices in the chunk */
+    const float *vis_embd;            /* (n_vis, hidden) their input rows */
+    int n_deep;                       /* DeepStack: added after layers 0 .. n_deep - 1 */
+    const float *deep;                /* (n_deep, n_vis, hidden) */
+    float *logits;                    /* (all_logits ? n : 1, vocab) */
+    int all_logits;
+    int32_t *routing;                 /* NULL, or (MoE layers, n, n_used): the experts chosen */
+} ks_batch;
+
+/* Every buffer of a forward pass, allocated once for max_chunk tokens and nthreads threads. */
+typedef struct {
+    int max_chunk, nthreads;
+    /* per thread (nthreads copies): the residual stream, its norm and the norm's Q8_0 */
+    float *x, *xn, *xd;               /* (max_chunk, hidden) x2, (max_chunk, hidden/32) */
+    int8_t *xq;                       /* (max_chunk, hidden) */
+    /* shared */
+    float *q, *k, *v, *att, *proj;    /* (max_chunk, q_dim | kv_dim | kv_dim | q_dim | hidden) */
+    float *gate, *up;                 /* (max_chunk, ffn) */
+    int8_t *sq;                       /* Q8_0 of att (q_dim), then of swiglu (ffn): (max_chunk, widest) */
+    float *sd;                        /* (max_chunk, widest/32) */
+    float *attn_scratch;              /* nthreads * attn_floats */
+    float *attn_parts;                /* n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats */
+    int64_t attn_floats;
+    /* MoE, for max_chunk * n_used (token, slot) pairs */
+    float *probs;                     /* (max_chunk, n_exp) */
+    float *top_w;                     /* (max_chunk, n_used) */
+    int32_t *top_idx, *slot_pos;      /* (max_chunk, n_used) */
+    int32_t *counts, *offsets, *active;   /* (n_exp) */
+    int32_t *rows;                    /* (max_chunk * n_used) */
+    int8_t *gxq;                      /* (pairs, hidden): each pair's token's Q8_0 row */
+    float *gxd;                       /* (pairs, hidden/32) */
+    float *egate, *eup, *ey;          /* (pairs, expert_ffn) x2, (pairs, hidden) */
+    int8_t *ehq;                      /* (pairs, expert_ffn) */
+    float *ehd;                       /* (pairs, expert_ffn/32) */
+    int n_active;
+} ks_scratch;
+
+/* ---- allocation --------------------------------------------------------------------------- */
+
+static inline int ks_max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* The next n elements of `size` bytes at base + *off (64-byte aligned offsets); NULL, only
+ * counting, while base is NULL. */
+static inline void *ks_carve(char *base, int64_t *off, int64_t n, int64_t size)
+{
+    void *p = base ? base + *off : NULL;
+    *off += ((n * size + 63) / 64) * 64;
+    return p;
+}
+
+/* Lays out S over `base` (NULL: just measure; base must be 64-byte aligned) for chunks of up
+ * to max_chunk tokens, nthreads threads and KV blocks of kv_bs; returns the bytes it takes. */
+static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, int max_chunk,
+                                 int nthreads, int kv_bs)
+{
+    const int64_t H = M->hidden, T = max_chunk, P = (int64_t)max_chunk * (M->n_used > 0 ? M->n_used : 1);
+    const int q_dim = M->n_heads * M->hd, kv_dim = M->n_kv * M->hd, G = M->n_heads / M->n_kv;
+    const int widest = ks_max3(q_dim, M->ffn, 1);
+    const int64_t F = M->expert_ffn > 0 ? M->expert_ffn : 1, E = M->n_exp > 0 ? M->n_exp : 1;
+    const int64_t dec = ks_attn_scratch_floats(G, M->hd, kv_bs);
+    const int64_t pre = ks_attn_scratch_floats(KS_ATTN_TOKENS * G, M->hd, kv_bs);
+    int64_t off = 0;
+    int64_t *cur = &off;
+    S->max_chunk = max_chunk;
+    S->nthreads = nthreads;
+    S->attn_floats = dec > pre ? dec : pre;
+    S->x = ks_carve(base, cur, nthreads * T * H, 4);
+    S->xn = ks_carve(base, cur, nthreads * T * H, 4);
+    S->xd = ks_carve(base, cur, nthreads * T * H / KS_QK, 4);
+    S->xq = ks_carve(base, cur, nthreads * T * H, 1);
+    S->q = ks_carve(base, cur, T * q_dim, 4);
+    S->k = ks_carve(base, cur, T * kv_dim, 4);
+    S->v = ks_carve(base, cur, T * kv_dim, 4);
+    S->att = ks_carve(base, cur, T * q_dim, 4);
+    S->proj = ks_carve(base, cur, T * H, 4);
+    S->gate = ks_carve(base, cur, T * (M->ffn > 0 ? M->ffn : 1), 4);
+    S->up = ks_carve(base, cur, T * (M->ffn > 0 ? M->ffn : 1), 4);
+    S->sq = ks_carve(base, cur, T * widest, 1);
+    S->sd = ks_carve(base, cur, T * widest / KS_QK + 1, 4);
+    S->attn_scratch = ks_carve(base, cur, nthreads * S->attn_floats, 4);
+    S->attn_parts = ks_carve(base, cur, (int64_t)M->n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats(G, M->hd), 4);
+    S->probs = ks_carve(base, cur, T * E, 4);
+    S->top_w = ks_carve(base, cur, P, 4);
+    S->top_idx = ks_carve(base, cur, P, 4);
+    S->slot_pos = ks_carve(base, cur, P, 4);
+    S->counts = ks_carve(base, cur, E, 4);
+    S->offsets = ks_carve(base, cur, E, 4);
+    S->active = ks_carve(base, cur, E, 4);
+    S->rows = ks_carve(base, cur, P, 4);
+    if (M->n_exp > 0) {
+        S->gxq = ks_carve(base, cur, P * H, 1);
+        S->gxd = ks_carve(base, cur, P * H / KS_QK, 4);
+        S->egate = ks_carve(base, cur, P * F, 4);
+        S->eup = ks_carve(base, cur, P * F, 4);
+        S->ey = ks_carve(base, cur, P * H, 4);
+        S->ehq = ks_carve(base, cur, P * F, 1);
+        S->ehd = ks_carve(base, cur, P * F / KS_QK + 1, 4);
+    }
+    return off;
+}
+
+/* ---- work-shared pieces (call from every thread of the team) ----------------------------- */
+
+/* Output rows per work item of a product over n tokens: one-token products go in small
+ * items (many threads share one matrix); in prefill, runs of up to 64 rows keep their weights
+ * in cache while the tokens go past, short enough to give every thread a few. The split does
+ * not change results. */
+static inline int ks_rows_per_item(int m, int n, int nthreads)
+{
+    if (n == 1)
+        return KS_DECODE_ROWS;
+    int r = m / (4 * nthreads) / 8 * 8;
+    return r < 8 ? 8 : r > 64 ? 64 : r;
+}
+
+/* out (n, w.rows) = matrix e of w . x (n rows, Q8_0), shared out by row runs; no barrier. */
+static inline void ks_par_matmul(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
+                                 int n, float *out, int nthreads)
+{
+    const int per = ks_rows_per_item(w->rows, n, nthreads);
+    const int items = (w->rows + per - 1) / per;
+    #pragma omp for schedule(static) nowait
+    for (int it = 0; it < items; it++) {
+        const int r0 = it * per, r1 = r0 + per < w->rows ? r0 + per : w->rows;
+        ks_matrix_rows(w, e, xq, xd, n, out, r0, r1);
+    }
+}
+
+/* Rows [b*32, b*32 + 32) of a SwiGLU pair for n activation rows: gate and up rows, then
+ * swiglu and its Q8_0 block b of each row, finished by the thread that computed them.
+ * gate, up (n, F) scratch; hq (n, F), hd (n, F/32) the result. */
+static inline void ks_ffn_block(const ks_matrix *gate, const ks_matrix *up, int e, int b,
+                                const int8_t *xq, const float *xd, int n, float *g, float *u,
+                                int8_t *hq, float *hd)
+{
+    const int F = gate->rows, r0 = b * KS_FFN_BLOCK;
+    ks_matrix_rows(gate, e, xq, xd, n, g, r0, r0 + KS_FFN_BLOCK);
+    ks_matrix_rows(up, e, xq, xd, n, u, r0, r0 + KS_FFN_BLOCK);
+    for (int t = 0; t < n; t++) {
+        float *gt = g + (int64_t)t * F + r0;
+        ks_swiglu(gt, u + (int64_t)t * F + r0, gt, KS_FFN_BLOCK);
+        ks_quantize_row_q8_0(gt, hq + (int64_t)t * F + r0, hd + (int64_t)t * (F / KS_QK) + b, KS_FFN_BLOCK);
+    }
+}
+
+/* Every thread: x (n, H) -> xn = rmsnorm(x) * w, and its Q8_0 (xq, xd). */
+static inline void ks_norm_rows(const ks_model *M, const float *x, const float *w, int n,
+                                float *xn, int8_t *xq, float *xd)
+{
+    const int H = M->hidden;
+    for (int t = 0; t < n; t++) {
+        ks_rmsnorm_row(x + (int64_t)t * H, w, M->eps, xn + (int64_t)t * H, H);
+        ks_quantize_row_q8_0(xn + (int64_t)t * H, xq + (int64_t)t * H, xd + (int64_t)t * (H / KS_QK), H);
+    }
+}
+
+/* Per (token, head): q/k norm and RoPE; the token's K and V rows into the arena. */
+static inline void ks_fwd_heads(const ks_model *M, const ks_layer *L, const ks_kv *kv, int li,
+                                const ks_scratch *S, const ks_batch *B)
+{
+    const int hd = M->hd, nh = M->n_heads, nkv = M->n_kv, per = nh + nkv;
+    const int64_t lo = (int64_t)li * nkv * kv->max_seq;       /* this layer's first (head, row) */
+    #pragma omp for schedule(static)
+    for (int it = 0; it < B->n * per; it++) {
+        const int t = it / per, h = it % per;
+        const float *ct = B->rope_cos + (int64_t)t * (hd / 2), *st = B->rope_sin + (int64_t)t * (hd / 2);
+        if (h < nh) {
+            float *qh = S->q + ((int64_t)t * nh + h) * hd;
+            if (L->q_norm)
+                ks_rmsnorm_row(qh, L->q_norm, M->eps, qh, hd);
+            ks_rope_row(qh, ct, st, hd, M->neox);
+            continue;
+        }
+        const int g = h - nh;
+        float *kh = S->k + ((int64_t)t * nkv + g) * hd;
+        if (L->k_norm)
+            ks_rmsnorm_row(kh, L->k_norm, M->eps, kh, hd);
+        ks_rope_row(kh, ct, st, hd, M->neox);
+        const int64_t row = lo + (int64_t)g * kv->max_seq + B->pos0 + t;
+        kv->k_s[row] = ks_quantize_head(kh, kv->k_q + row * hd, hd);
+        kv->v_s[row] = ks_quantize_head(S->v + ((int64_t)t * nkv + g) * hd, kv->v_q + row * hd, hd);
+    }
+}
+
+/* Attention of the chunk's queries over KV rows 0 .. pos0 + t, into att (n, q_dim) and its
+ * Q8_0 per head (sq, sd: hd is a multiple of 32, so a head's blocks are the row's). */
+static inline void ks_fwd_attention(const ks_model *M, const ks_kv *kv, int li,
+                                    const ks_scratch *S, const ks_batch *B, float *scratch)
+{
+    const int hd = M->hd, nh = M->n_heads, nkv = M->n_kv, G = nh / nkv, n = B->n;
+    const int64_t lq = (int64_t)li * nkv * kv->max_seq;
+    const int8_t *kq = kv->k_q + lq * hd, *vq = kv->v_q + lq * hd;
+    const float *ks = kv->k_s + lq, *vs = kv->v_s + lq;
+    if (n == 1) {   /* decode: (KV head, key range) items, merged per head */
+        const int split = ks_attn_split_len(B->pos0 + 1, kv->kv_bs);
+        const int n_split = (B->pos0 + split) / split;
+        const int64_t pf = ks_attn_part_floats(G, hd);
+        #pragma omp for schedule(static)
+        for (int it = 0; it < nkv * n_split; it++)
+            ks_attn_decode_item(S->q, kq, ks, vq, vs, S->attn_parts + it * pf, nh, nkv, hd,
+                                kv->max_seq, B->pos0, M->scale, kv->kv_bs, split, it % n_split,
+                                it / n_split, scratch);
+        #pragma omp for schedule(static)
+        for (int h = 0; h < nh; h++) {
+            ks_attn_decode_merge(S->attn_parts, S->att, nh, nkv, hd, n_split, h);
+            ks_quantize_row_q8_0(S->att + h * hd, S->sq + h * hd, S->sd + h * (hd / KS_QK), hd);
+        }
+        return;
+    }
+    /* prefill: (token tile, KV head) items; causal, so later tiles (more keys) go first */
+    const int n_tiles = (n + KS_ATTN_TOKENS - 1) / KS_ATTN_TOKENS;
+    #pragma omp for schedule(dynamic)
+    for (int it = 0; it < n_tiles * nkv; it++) {
+        const int t0 = (n_tiles - 1 - it / nkv) * KS_ATTN_TOKENS, g = it % nkv;
+        const int t1 = t0 + KS_ATTN_TOKENS < n ? t0 + KS_ATTN_TOKENS : n;
+        ks_attn_prefill_item(S->q, kq, ks, vq, vs, S->att, nh, nkv, hd, kv->max_seq, B->pos0,
+                             M->scale, kv->kv_bs, t0, t1, g, scratch);
+        for (int t = t0; t < t1; t++)
+            for (int h = g * G; h < g * G + G; h++) {
+                const int64_t o = ((int64_t)t * nh + h) * hd;
+                ks_quantize_row_q8_0(S->att + o, S->sq + o, S->sd + o / KS_QK, hd);
+            }
+    }
+}
+
+/* The routed experts of the chunk's tokens, whose normed rows (xn) and their Q8_0 are the
+ * calling thread's: the router and top-k of every token, the (token, slot) pairs grouped by
+ * expert, then per chosen expert the gate/up/swiglu and down of its tokens into S->ey.
+ * `routing`: NULL or (n, n_used) where the choices are copied. The caller adds the weighted
+ * outputs (ks_fwd_ffn_add) after the barrier that ends the down products. */
+static inline void ks_fwd_moe(const ks_model *M, const ks_layer *L, ks_scratch *S, int n,
+                              const float *xn, const int8_t *xq, const float *xd,
+                              int32_t *routing, int nthreads)
+{
+    const int H = M->hidden, F = M->expert_ffn, k = M->n_used, E = M->n_exp;
+    const float *router = (const float *)L->router.data;
+    #pragma omp for schedule(static)
+    for (int it = 0; it < n * E; it++)
+        S->probs[it] = ks_dot_f32(xn + (int64_t)(it / E) * H, router + (int64_t)(it % E) * H, H);
+    #pragma omp single
+    {
+        for (int t = 0; t < n; t++)
+            ks_moe_select(S->probs + (int64_t)t * E, E, M->norm_topk, S->top_idx + t * k,
+                          S->top_w + t * k, k);
+        S->n_active = ks_moe_group(S->top_idx, n, k, E, S->counts, S->offsets, S->rows,
+                                   S->slot_pos, S->active);
+        for (int p = 0; p < n * k; p++) {   /* each pair's activation row, in sorted order */
+            memcpy(S->gxq + (int64_t)p * H, xq + (int64_t)S->rows[p] * H, H);
+            memcpy(S->gxd + (int64_t)p * (H / KS_QK), xd + (int64_t)S->rows[p] * (H / KS_QK),
+                   sizeof(float) * (H / KS_QK));
+        }
+        if (routing)
+            memcpy(routing, S->top_idx, sizeof(int32_t) * n * k);
+    }
+    /* gate, up, swiglu, Q8_0: (chosen expert, 32-row block) items over its tokens */
+    const int nb = F / KS_FFN_BLOCK;
+    #pragma omp for schedule(static)
+    for (int it = 0; it < S->n_active * nb; it++) {
+        const int e = S->active[it / nb], a = S->offsets[e], c = S->counts[e];
+        ks_ffn_block(&L->gate, &L->up, e, it % nb, S->gxq + (int64_t)a * H,
+                     S->gxd + (int64_t)a * (H / KS_QK), c, S->egate + (int64_t)a * F,
+                     S->eup + (int64_t)a * F, S->ehq + (int64_t)a * F,
+                     S->ehd + (int64_t)a * (F / KS_QK));
+    }
+    /* down: (chosen expert, row run) items */
+    const int per = ks_rows_per_item(H, n, nthreads), runs = (H + per - 1) / per;
+    #pragma omp for schedule(static) nowait
+    for (int it = 0; it < S->n_active * runs; it++) {
+        const int e = S->active[it / runs], a = S->offsets[e], c = S->counts[e];
+        const int r0 = (it % runs) * per, r1 = r0 + per < H ? r0 + per : H;
+        ks_matrix_rows(&L->down, e, S->ehq + (int64_t)a * F, S->ehd + (int64_t)a * (F / KS_QK),
+                       c, S->ey + (int64_t)a * H, r0, r1);
+    }
+}
+
+/* The dense feed-forward: gate/up/swiglu/Q8_0 by 32-row blocks (into sq, sd), then down into
+ * proj; no barrier at the end. */
+static inline void ks_fwd_mlp(const ks_model *M, const ks_layer *L, const ks_scratch *S, int n,
+                              const int8_t *xq, const float *xd, int nthreads)
+{
+    #pragma omp for schedule(static)
+    for (int b = 0; b < M->ffn / KS_FFN_BLOCK; b++)
+        ks_ffn_block(&L->gate, &L->up, 0, b, xq, xd, n, S->gate, S->up, S->sq, S->sd);
+    ks_par_matmul(&L->down, 0, S->sq, S->sd, n, S->proj, nthreads);
+}
+
+/* x (n, H) += the feed-forward output of layer L (after the barrier that ends it). */
+static inline void ks_fwd_ffn_add(const ks_model *M, const ks_layer *L, const ks_scratch *S,
+                                  float *x, int n)
+{
+    const int H = M->hidden, k = M->n_used;
+    for (int t = 0; t < n; t++) {
+        if (!L->router.data)
+            ks_add_scaled(x + (int64_t)t * H, S->proj + (int64_t)t * H, 1.0f, H);
+        else
+            ks_moe_combine_row(x + (int64_t)t * H, S->ey, S->slot_pos + t * k, S->top_w + t * k, k, H);
+    }
+}
+
+/* Qwen3-VL DeepStack: the visual rows of x += their features of layer li. */
+static inline void ks_fwd_deepstack(const ks_model *M, const ks_batch *B, int li, float *x)
+{
+    const int H = M->hidden;
+    for (int r = 0; r < B->n_vis; r++)
+        ks_add_scaled(x + (int64_t)B->vis_rows[r] * H,
+                      B->deep + ((int64_t)li * B->n_vis + r) * H, 1.0f, H);
+}
+
+/* ---- the pass ----------------------------------------------------------------------------- */
+
+/* Runs the chunk B (B->n <= S->max_chunk tokens at KV rows pos0.., rows 0 .. pos0 - 1 valid):
+ * stores its KV and writes its logits. Checked by the caller: shapes, token ids, positions. */
+static void ks_forward(const ks_model *M, const ks_kv *kv, ks_scratch *S, const ks_batch *B)
+{
+    const int H = M->hidden, n = B->n, nthreads = S->nthreads;
+
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num();
+        const int64_t own = (int64_t)tid * S->max_chunk * H;
+        float *x = S->x + own, *xn = S->xn + own, *xd = S->xd + own / KS_QK;
+        int8_t *xq = S->xq + own;
+        float *scratch = S->attn_scratch + tid * S->attn_floats;
+        int moe_layer = 0;
+
+        for (int t = 0; t < n; t++)
+            ks_matrix_dequant_row(&M->tok_embd, 0, B->tokens[t], x + (int64_t)t * H);
+        for (int r = 0; r < B->n_vis; r++)
+            memcpy(x + (int64_t)B->vis_rows[r] * H, B->vis_embd + (int64_t)r * H, sizeof(float) * H);
+
+        for (int li = 0; li < M->n_layers; li++) {
+            const ks_layer *L = &M->layers[li];
+            if (li > 0) {
+                ks_fwd_ffn_add(M, L - 1, S, x, n);
+                if (li - 1 < B->n_deep)
+                    ks_fwd_deepstack(M, B, li - 1, x);
+            }
+            ks_norm_rows(M, x, L->attn_norm, n, xn, xq, xd);
+            ks_par_matmul(&L->wq, 0, xq, xd, n, S->q, nthreads);
+            ks_par_matmul(&L->wk, 0, xq, xd, n, S->k, nthreads);
+            ks_par_matmul(&L->wv, 0, xq, xd, n, S->v, nthreads);
+            #pragma omp barrier
+            ks_fwd_heads(M, L, kv, li, S, B);
+            ks_fwd_attention(M, kv, li, S, B, scratch);
+            ks_par_matmul(&L->wo, 0, S->sq, S->sd, n, S->proj, nthreads);
+            #pragma omp barrier
+            for (int t = 0; t < n; t++)
+                ks_add_scaled(x + (int64_t)t * H, S->proj + (int64_t)t * H, 1.0f, H);
+            ks_norm_rows(M, x, L->ffn_norm, n, xn, xq, xd);
+            if (L->router.data) {
+                int32_t *routing = B->routing ? B->routing + (int64_t)moe_layer * n * M->n_used : NULL;
+                ks_fwd_moe(M, L, S, n, xn, xq, xd, routing, nthreads);
+                moe_layer++;
+            } else {
+                ks_fwd_mlp(M, L, S, n, xq, xd, nthreads);
+            }
+            #pragma omp barrier
+        }
+        ks_fwd_ffn_add(M, &M->layers[M->n_layers - 1], S, x, n);
+        if (M->n_layers - 1 < B->n_deep)
+            ks_fwd_deepstack(M, B, M->n_layers - 1, x);
+        /* logits of every token, or of the last one only */
+        const int first = B->all_logits ? 0 : n - 1, m = n - first;
+        ks_norm_rows(M, x + (int64_t)first * H, M->out_norm, m, xn, xq, xd);
+        ks_par_matmul(&M->output, 0, xq, xd, m, B->logits, nthreads);
+    }
+}
+
+#endif /* KS_FORWARD_H */

@@ -1,0 +1,103 @@
+# The weight x activation product of every weight type (ks_weights.h), activation
+# quantization to Q8_0 (ks_q8.h), embedding rows.
+
+cdef int _check_q8_cols(Py_ssize_t k, str what) except -1:
+    if k <= 0 or k % KS_QK:
+        raise ValueError(f"{what}: k must be a positive multiple of {KS_QK}, got {k}")
+    return 0
+
+
+def quantize_q8_0(const float[:, ::1] x, int8_t[:, ::1] xq, float[:, ::1] xd, int nthreads):
+    """x (n, k) f32 -> xq (n, k) int8 and xd (n, k/32) f32, per 32-block: d = absmax/127,
+    q = roundf(x * (1/d)) (0 where d == 0): llama.cpp's quantize_row_q8_0_ref."""
+    cdef Py_ssize_t n = x.shape[0], k = x.shape[1], i
+    _check_q8_cols(k, "quantize_q8_0")
+    _check_threads(nthreads)
+    if xq.shape[0] != n or xq.shape[1] != k:
+        raise ValueError(f"quantize_q8_0: xq must be ({n}, {k}), got ({xq.shape[0]}, {xq.shape[1]})")
+    if xd.shape[0] != n or xd.shape[1] != k // KS_QK:
+        raise ValueError(f"quantize_q8_0: xd must be ({n}, {k // KS_QK}), "
+                         f"got ({xd.shape[0]}, {xd.shape[1]})")
+    for i in prange(n, nogil=True, num_threads=nthreads, schedule="static"):
+        ks_quantize_row_q8_0(&x[i, 0], &xq[i, 0], &xd[i, 0], <int>k)
+
+
+cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
+                 const float[:, ::1] xd, float[:, ::1] out, int nthreads, bint plain) except -1:
+    cdef Py_ssize_t m = w.shape[0], n = xq.shape[0], k = xq.shape[1]
+    cdef Py_ssize_t rows_per_item, n_items, it, r0, r1
+    cdef ks_matrix W
+    _check_q8_cols(k, "matmul")
+    _check_threads(nthreads)
+    if not ks_type_supported(qtype) or qtype == KS_TYPE_F32:
+        raise ValueError(f"matmul: weight type {qtype} is not one the kernels compute on")
+    if w.shape[1] != ks_type_row_bytes(qtype, k):
+        raise ValueError(f"matmul: w must have {ks_type_row_bytes(qtype, k)} bytes per row for "
+                         f"k={k}, got {w.shape[1]}")
+    if xd.shape[0] != n or xd.shape[1] != k // KS_QK:
+        raise ValueError(f"matmul: xd must be ({n}, {k // KS_QK}), got ({xd.shape[0]}, {xd.shape[1]})")
+    if out.shape[0] != n or out.shape[1] != m:
+        raise ValueError(f"matmul: out must be ({n}, {m}), got ({out.shape[0]}, {out.shape[1]})")
+    if m == 0 or n == 0:
+        return 0
+    W.data, W.row_stride, W.mat_stride = &w[0, 0], w.shape[1], 0
+    W.type, W.rows, W.cols, W.n_mat = qtype, <int32_t>m, <int32_t>k, 1
+    # runs of output rows, as the forward pass shares them out (the split changes no result)
+    rows_per_item = 16 if n == 1 else max(8, min(64, m // (4 * nthreads) // 8 * 8))
+    n_items = (m + rows_per_item - 1) // rows_per_item
+    for it in prange(n_items, nogil=True, num_threads=nthreads, schedule="static"):
+        r0 = it * rows_per_item
+        r1 = min(m, r0 + rows_per_item)
+        if plain:
+            ks_matrix_rows_plain(&W, 0, &xq[0, 0], &xd[0, 0], <int>n, &out[0, 0], <int>r0, <int>r1)
+        else:
+            ks_matrix_rows(&W, 0, &xq[0, 0], &xd[0, 0], <int>n, &out[0, 0], <int>r0, <int>r1)
+    return 0
+
+
+def matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq, const float[:, ::1] xd,
+           float[:, ::1] out, int nthreads):
+    """out (n, m) = w . (xq (n, k), xd (n, k/32))^T for a weight matrix w of GGML type qtype:
+    uint8 (m, bytes of a row of k values), e.g. Q8_0's (m, k/32*34).
+
+    out[t, r] = sum over blocks b in order of isum * (scales of w's block and x's block), isum
+    the exact int32 block dot product: bit-identical to matmul_plain. n == 1 is decode.
+    xq must come from quantize_q8_0 (values in -127..127; the AVX2 path relies on it)."""
+    _matmul(w, qtype, xq, xd, out, nthreads, False)
+
+
+def matmul_plain(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
+                 const float[:, ::1] xd, float[:, ::1] out, int nthreads):
+    """matmul on the portable C path (the reference the SIMD paths must equal exactly)."""
+    _matmul(w, qtype, xq, xd, out, nthreads, True)
+
+
+def set_matmul_vnni(bint enabled):
+    """Lets matmul take its AVX512-VNNI prefill path (the default where the CPU has it) or
+    not (tests compare both with the plain twin). Returns True if the VNNI path is now on."""
+    return bool(ks_set_vnni(enabled))
+
+
+def dequantize_rows(const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float[:, ::1] out):
+    """Embedding lookup: out[i, :] = row ids[i] of the matrix w (GGML type qtype, rows of
+    k = out.shape[1] values), as float32."""
+    cdef Py_ssize_t m = w.shape[0], n = ids.shape[0], k = out.shape[1], i
+    cdef ks_matrix W
+    if not ks_type_supported(qtype):
+        raise ValueError(f"dequantize_rows: weight type {qtype} is not one the kernels compute on")
+    if k <= 0 or k % ks_type_block(qtype):
+        raise ValueError(f"dequantize_rows: k must be a positive multiple of {ks_type_block(qtype)}, got {k}")
+    if w.shape[1] != ks_type_row_bytes(qtype, k):
+        raise ValueError(f"dequantize_rows: w must have {ks_type_row_bytes(qtype, k)} bytes "
+                         f"per row for k={k}, got {w.shape[1]}")
+    if out.shape[0] != n:
+        raise ValueError(f"dequantize_rows: out must have {n} rows (one per id), "
+                         f"got {out.shape[0]}")
+    for i in range(n):
+        if ids[i] < 0 or ids[i] >= m:
+            raise ValueError(f"dequantize_rows: id {ids[i]} at {i} is outside [0, {m})")
+    W.data, W.row_stride, W.mat_stride = &w[0, 0], w.shape[1], 0
+    W.type, W.rows, W.cols, W.n_mat = qtype, <int32_t>m, <int32_t>k, 1
+    with nogil:
+        for i in range(n):
+            ks_matrix_dequant_row(&W, 0, ids[i], &out[i, 0])
