@@ -11,60 +11,64 @@ from __future__ import annotations
 
 
 class KestrelError(Exception):
-    """Base: a request's failure, with its protocol error code, HTTP status and the exit
-    status kestrelctl returns for it."""
-    code = "internal"
-    http_status = 500
-    exit_status = 10
-    wire = True               # a code the daemon sends (False: seen only by clients)
+    """Base: a request's failure. Each kind states, in its class line, its protocol error
+    code, its HTTP status and the exit status kestrelctl returns for it; `wire` False: a
+    code only clients see."""
+    code, http_status, exit_status, wire = "internal", 500, 10, True
+
+    def __init_subclass__(cls, code: str, http_status: int, exit_status: int,
+                          wire: bool = True, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.code, cls.http_status, cls.exit_status, cls.wire = code, http_status, exit_status, wire
 
     def to_wire(self) -> dict:
         return {"code": self.code, "message": str(self)}
 
 
-class BadRequest(KestrelError):
-    code, http_status, exit_status = "bad_request", 400, 2
+class BadRequest(KestrelError, code="bad_request", http_status=400, exit_status=2):
+    """A malformed request: unknown or mistyped parameters, a value out of its range, an
+    image that does not decode, a chat the model's template refuses."""
 
 
-class UnknownMethod(KestrelError):
-    code, http_status, exit_status = "unknown_method", 404, 3
+class UnknownMethod(KestrelError, code="unknown_method", http_status=404, exit_status=3):
+    """A method name the protocol does not have."""
 
 
-class TooLarge(KestrelError):
-    code, http_status, exit_status = "too_large", 413, 4
+class TooLarge(KestrelError, code="too_large", http_status=413, exit_status=4):
+    """A message over --max-message-bytes (or an HTTP body over the same limit)."""
 
 
-class PromptTooLong(KestrelError):
-    code, http_status, exit_status = "prompt_too_long", 400, 5
+class PromptTooLong(KestrelError, code="prompt_too_long", http_status=400, exit_status=5):
+    """A prompt that leaves the KV arena no room for one new token."""
 
 
-class QueueFull(KestrelError):
-    code, http_status, exit_status = "queue_full", 429, 6
+class QueueFull(KestrelError, code="queue_full", http_status=429, exit_status=6):
+    """More requests waiting than --max-queue allows."""
 
 
-class ShuttingDown(KestrelError):
-    code, http_status, exit_status = "shutting_down", 503, 7
+class ShuttingDown(KestrelError, code="shutting_down", http_status=503, exit_status=7):
+    """The daemon stops: queued requests are answered with this, new ones refused."""
 
 
-class Cancelled(KestrelError):
-    code, http_status, exit_status = "cancelled", 499, 8
+class Cancelled(KestrelError, code="cancelled", http_status=499, exit_status=8):
+    """A request cancelled (by `cancel` or a disconnect) before it started; one that had
+    started ends normally with finish_reason "cancelled" instead. (HTTP 499: the client
+    closed the request, as nginx names it.)"""
 
 
-class PermissionDenied(KestrelError):
-    code, http_status, exit_status = "permission_denied", 403, 9
+class PermissionDenied(KestrelError, code="permission_denied", http_status=403, exit_status=9):
+    """A path outside --image-dir, or a socket the client may not open."""
 
 
-class InternalError(KestrelError):
-    code, http_status, exit_status = "internal", 500, 10
+class InternalError(KestrelError, code="internal", http_status=500, exit_status=10):
+    """A bug: anything unexpected that escapes while serving a request."""
 
 
-class Unavailable(KestrelError):
+class Unavailable(KestrelError, code="unavailable", http_status=503, exit_status=11, wire=False):
     """Client side only: no daemon at the socket, or the connection broke."""
-    code, http_status, exit_status, wire = "unavailable", 503, 11, False
 
 
-REQUEST_ERRORS = (BadRequest, UnknownMethod, TooLarge, PromptTooLong, QueueFull, ShuttingDown,
-                  Cancelled, PermissionDenied, InternalError, Unavailable)
+REQUEST_ERRORS = tuple(KestrelError.__subclasses__())      # in the order above
 WIRE_CODES = tuple(e.code for e in REQUEST_ERRORS if e.wire)
 BY_CODE = {e.code: e for e in REQUEST_ERRORS}
 EXIT_STATUS = {e.code: e.exit_status for e in REQUEST_ERRORS}   # kestrelctl's exit statuses

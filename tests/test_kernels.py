@@ -661,3 +661,14 @@ def test_full_attention_rejects_bad_arguments():
         K.full_attention(q, q, q, 1.0, np.zeros((3, 2, 16), np.float32), 1)
     with pytest.raises(ValueError, match="nthreads"):
         K.full_attention(q, q, q, 1.0, q.copy(), 0)
+
+
+def test_the_typed_stub_lists_the_compiled_module():
+    """kestreld/_kernels.pyi names exactly the module's public functions and classes."""
+    import ast
+    import pathlib
+    stub = ast.parse((pathlib.Path(K.__file__).parent / "_kernels.pyi").read_text())
+    declared = {n.name for n in stub.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    public = {n for n in dir(K) if not n.startswith("_") and callable(getattr(K, n))
+              and getattr(getattr(K, n), "__module__", "") == K.__name__}
+    assert declared == public

@@ -7,6 +7,7 @@ norm vectors become float32. Every fault becomes one ModelLoadError naming the f
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import Counter
@@ -61,9 +62,32 @@ class _Tensor:
         self.data = data  # memmap view, dtype per SAFETENSORS_DTYPES, shaped `shape`
 
 
+@contextlib.contextmanager
+def _read_faults(path: str, corrupt: str):
+    """Turns what reading and parsing `path` may raise into one ModelLoadError line: a
+    missing or unreadable file, or content that does not parse (`corrupt` names what)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing file") from None
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: {corrupt}: {e}") from None
+
+
+def _json_object(text, path: str, corrupt: str) -> dict:
+    """The JSON object in `text` (ModelLoadError naming `corrupt` if it is not one)."""
+    with _read_faults(path, corrupt):
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: {corrupt}: not a JSON object")
+    return data
+
+
 def read_safetensors(path: str) -> tuple[dict, np.memmap]:
     """{name: _Tensor} of one safetensors file, views into its memory map."""
-    try:
+    with _read_faults(path, "corrupt safetensors header"):
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             prefix = f.read(8)
@@ -73,13 +97,8 @@ def read_safetensors(path: str) -> tuple[dict, np.memmap]:
             if header_len > min(size - 8, _MAX_HEADER_BYTES):
                 raise ModelLoadError(f"{path}: truncated or corrupt safetensors file: header "
                                      f"length {header_len}, file size {size}")
-            header = json.loads(f.read(header_len))
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path}: corrupt safetensors header: {e}") from None
-    if not isinstance(header, dict):
-        raise ModelLoadError(f"{path}: corrupt safetensors header: not a JSON object")
+            raw = f.read(header_len)
+    header = _json_object(raw, path, "corrupt safetensors header")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     base = 8 + header_len
     tensors = {}
@@ -130,18 +149,10 @@ class HFSource:
 
     @staticmethod
     def _read_json(path: str) -> dict:
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise ModelLoadError(f"{path}: missing file") from None
-        except OSError as e:
-            raise ModelLoadError(f"{path}: cannot read: {e.strerror}") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ModelLoadError(f"{path}: not a JSON object")
-        return data
+        with _read_faults(path, "not valid JSON"):
+            with open(path, "rb") as f:
+                text = f.read()
+        return _json_object(text, path, "not valid JSON")
 
     def _open_weights(self) -> dict:
         """All tensors of model.safetensors, or of the shards the index names."""

@@ -1,4 +1,4 @@
-"""The `status` map (PROTOCOL.md): what the daemon runs, its KV arena, its queue, its memory.
+"""The `status` map (docs/protocol.md): what the daemon runs, its KV arena, its queue, its memory.
 
 Built on the event-loop thread at any time, also while the worker is busy: it reads only
 plain values (arena sizes, `engine.stats()` which copies ints, `scheduler.stats()` under

@@ -1,0 +1,80 @@
+# Typed interface of the compiled kernels (pyx/_kernels.pyx and its .pxi files). Arrays are
+# C-contiguous numpy arrays; float means float32. Every function checks shapes (ValueError)
+# and computes with the GIL released on `nthreads` OpenMP threads; results do not depend on
+# nthreads. Shapes: n tokens, k columns, m weight rows, hd head_dim, kv_bs key block.
+from typing import Optional
+
+import numpy as np
+
+from .engine.kvcache import KVCache
+from .model.config import ModelConfig
+from .model.weights import ModelWeights
+
+def simd_path() -> str:
+    """Which compute path this build uses: "avx2", "neon-dotprod", "neon" or "plain"."""
+
+# ---- the forward pass (forward.pxi, ks_forward.h) -------------------------------------------
+
+class Forward:
+    max_chunk: int
+    nthreads: int
+    scratch_bytes: int
+    def __init__(self, config: ModelConfig, weights: ModelWeights, kv: KVCache, max_chunk: int,
+                 nthreads: int) -> None: ...
+    def run(self, tokens: np.ndarray, pos0: int, rope_cos: np.ndarray, rope_sin: np.ndarray,
+            logits: np.ndarray, vis_rows: Optional[np.ndarray] = None,
+            vis_embd: Optional[np.ndarray] = None, deep: Optional[np.ndarray] = None,
+            routing: Optional[np.ndarray] = None) -> None:
+        """tokens int32 (n,) at KV rows pos0..; rope_cos/sin (n, hd/2); logits (1 | n, vocab)
+        out; vis_rows int32 (r,), vis_embd (r, hidden), deep (d, r, hidden); routing int32
+        (MoE layers, n, top-k) out."""
+
+# ---- products and quantization (matmul.pxi, ks_weights.h, ks_q8.h) --------------------------
+
+def quantize_q8_0(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, nthreads: int) -> None:
+    """x (n, k) -> xq int8 (n, k), xd (n, k/32)."""
+def matmul(w: np.ndarray, qtype: int, xq: np.ndarray, xd: np.ndarray, out: np.ndarray,
+           nthreads: int) -> None:
+    """out (n, m) = w (uint8 rows of GGML type qtype) . (xq, xd)^T."""
+def matmul_plain(w: np.ndarray, qtype: int, xq: np.ndarray, xd: np.ndarray, out: np.ndarray,
+                 nthreads: int) -> None: ...
+def set_matmul_vnni(enabled: bool) -> bool: ...
+def dequantize_rows(w: np.ndarray, qtype: int, ids: np.ndarray, out: np.ndarray) -> None:
+    """out (n, k) = rows ids (int32 (n,)) of w as float."""
+
+# ---- row and element kernels (elementwise.pxi, ks_rows.h, ks_common.h) ----------------------
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray, nthreads: int) -> None: ...
+def rope(x: np.ndarray, cos_t: np.ndarray, sin_t: np.ndarray, pos0: int, neox: bool,
+         nthreads: int) -> None:
+    """x (n, heads, hd) rotated in place by rows pos0.. of the tables (max_pos, hd/2)."""
+def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray, nthreads: int) -> None: ...
+
+# ---- int8 KV and attention (attention.pxi, ks_attention.h) ----------------------------------
+
+def kv_store(k: np.ndarray, v: np.ndarray, kq: np.ndarray, ks: np.ndarray, vq: np.ndarray,
+             vs: np.ndarray, pos0: int, nthreads: int) -> None:
+    """k, v (n, n_kv, hd) into one layer's kq, vq int8 (n_kv, max_seq, hd), ks, vs (n_kv, max_seq)."""
+def set_attention_tiles(enabled: bool) -> bool: ...
+def attention(q: np.ndarray, kq: np.ndarray, ks: np.ndarray, vq: np.ndarray, vs: np.ndarray,
+              pos0: int, scale: float, kv_bs: int, out: np.ndarray, nthreads: int) -> None:
+    """Causal GQA attention of q (n, n_heads, hd) at pos0.. over one layer's int8 KV."""
+
+# ---- MoE routing (moe.pxi, ks_moe.h) ---------------------------------------------------------
+
+def moe_route(x: np.ndarray, router: np.ndarray, norm_topk: bool, probs: np.ndarray,
+              top_idx: np.ndarray, top_w: np.ndarray, nthreads: int) -> None: ...
+def moe_group(top_idx: np.ndarray, counts: np.ndarray, offsets: np.ndarray, rows: np.ndarray,
+              slot_pos: np.ndarray, active: np.ndarray) -> int: ...
+def moe_combine(y: np.ndarray, slot_pos: np.ndarray, top_w: np.ndarray, out: np.ndarray,
+                nthreads: int) -> None: ...
+
+# ---- the vision encoder's float kernels (vision.pxi, ks_vision.h) ---------------------------
+
+def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.ndarray,
+              nthreads: int) -> None: ...
+def gelu_tanh(x: np.ndarray, out: np.ndarray, nthreads: int) -> None: ...
+def gelu_erf(x: np.ndarray, out: np.ndarray, nthreads: int) -> None: ...
+def full_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, out: np.ndarray,
+                   nthreads: int) -> None:
+    """Bidirectional attention: q, k, v, out (n, heads, hd)."""

@@ -1,0 +1,24 @@
+"""errors.py: one table of error kinds -> wire codes, HTTP statuses, exit statuses."""
+from kestreld import errors
+
+
+def test_the_protocols_closed_set_of_codes():
+    assert errors.WIRE_CODES == ("bad_request", "unknown_method", "too_large", "prompt_too_long",
+                                 "queue_full", "shutting_down", "cancelled", "permission_denied",
+                                 "internal")
+    kinds = errors.REQUEST_ERRORS
+    assert len({k.code for k in kinds}) == len(kinds)
+    assert len({k.exit_status for k in kinds}) == len(kinds)         # kestrelctl tells them apart
+    assert all(400 <= k.http_status < 600 for k in kinds)
+    assert errors.EXIT_STATUS["unavailable"] == 11 and not errors.Unavailable.wire
+    assert errors.BY_CODE["queue_full"] is errors.QueueFull
+
+
+def test_anything_else_becomes_internal():
+    e = errors.QueueFull("4 waiting")
+    assert errors.internal(e) is e and errors.to_wire(e) == {"code": "queue_full", "message": "4 waiting"}
+    wrapped = errors.internal(ZeroDivisionError("boom"))
+    assert isinstance(wrapped, errors.InternalError)
+    assert errors.to_wire(ZeroDivisionError("boom")) == {
+        "code": "internal", "message": "internal error: ZeroDivisionError: boom"}
+    assert issubclass(errors.ModelLoadError, errors.FatalError) and errors.FatalError.exit_status == 1
