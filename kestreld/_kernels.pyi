@@ -31,6 +31,8 @@ class Forward:
 
 # ---- products and quantization (matmul.pxi, ks_weights.h, ks_q8.h) --------------------------
 
+def compute_types() -> tuple:
+    """The GGML type ids the kernels compute on in place."""
 def quantize_q8_0(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, nthreads: int) -> None:
     """x (n, k) -> xq int8 (n, k), xd (n, k/32)."""
 def matmul(w: np.ndarray, qtype: int, xq: np.ndarray, xd: np.ndarray, out: np.ndarray,

@@ -22,8 +22,40 @@
 /* GGML's type ids (ggml.h), so a GGUF tensor's type needs no translation. */
 enum {
     KS_TYPE_F32 = 0,
+    KS_TYPE_Q4_0 = 2,
+    KS_TYPE_Q4_1 = 3,
+    KS_TYPE_Q5_0 = 6,
     KS_TYPE_Q8_0 = 8,
+    KS_TYPE_Q4_K = 12,
+    KS_TYPE_Q5_K = 13,
+    KS_TYPE_Q6_K = 14,
 };
+
+/* Values and bytes per block of each type (GGML's layouts); 0: not a type Kestrel knows. */
+static inline int ks_type_block(int type)
+{
+    switch (type) {
+    case KS_TYPE_F32: return 1;
+    case KS_TYPE_Q4_0: case KS_TYPE_Q4_1: case KS_TYPE_Q5_0: case KS_TYPE_Q8_0: return 32;
+    case KS_TYPE_Q4_K: case KS_TYPE_Q5_K: case KS_TYPE_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+static inline int ks_type_block_bytes(int type)
+{
+    switch (type) {
+    case KS_TYPE_F32: return 4;
+    case KS_TYPE_Q4_0: return 18;
+    case KS_TYPE_Q4_1: return 20;
+    case KS_TYPE_Q5_0: return 22;
+    case KS_TYPE_Q8_0: return KS_QBLOCK;
+    case KS_TYPE_Q4_K: return 144;
+    case KS_TYPE_Q5_K: return 176;
+    case KS_TYPE_Q6_K: return 210;
+    default: return 0;
+    }
+}
 
 typedef struct {
     const uint8_t *data;      /* row r of matrix e at data + e * mat_stride + r * row_stride */
@@ -34,29 +66,24 @@ typedef struct {
     int32_t n_mat;            /* 1, or the number of stacked experts */
 } ks_matrix;
 
-/* Whether the kernels compute on this type (weights of other types are refused at load). */
+/* The types the kernels compute on (F32 only for MoE routers, read by dot products);
+ * weights of other types are converted at load. */
+static const int ks_compute_types[] = {KS_TYPE_F32, KS_TYPE_Q8_0};
+#define KS_N_COMPUTE_TYPES ((int)(sizeof(ks_compute_types) / sizeof(ks_compute_types[0])))
+
 static inline int ks_type_supported(int type)
 {
-    return type == KS_TYPE_Q8_0 || type == KS_TYPE_F32;
+    for (int i = 0; i < KS_N_COMPUTE_TYPES; i++)
+        if (ks_compute_types[i] == type)
+            return 1;
+    return 0;
 }
 
 /* Bytes of one row of `cols` values (cols a multiple of the type's block), 0 if unknown. */
 static inline int64_t ks_type_row_bytes(int type, int64_t cols)
 {
-    switch (type) {
-    case KS_TYPE_F32:
-        return cols * 4;
-    case KS_TYPE_Q8_0:
-        return cols / KS_QK * KS_QBLOCK;
-    default:
-        return 0;
-    }
-}
-
-/* Values per block of the type (cols must be a multiple of it). */
-static inline int ks_type_block(int type)
-{
-    return type == KS_TYPE_F32 ? 1 : KS_QK;
+    const int block = ks_type_block(type);
+    return block ? cols / block * ks_type_block_bytes(type) : 0;
 }
 
 static inline const uint8_t *ks_matrix_row(const ks_matrix *w, int e, int r)

@@ -22,6 +22,11 @@ def quantize_q8_0(const float[:, ::1] x, int8_t[:, ::1] xq, float[:, ::1] xd, in
         ks_quantize_row_q8_0(&x[i, 0], &xq[i, 0], &xd[i, 0], <int>k)
 
 
+def compute_types():
+    """The GGML type ids the kernels compute on in place (ks_weights.h)."""
+    return tuple(ks_compute_types[i] for i in range(KS_N_COMPUTE_TYPES))
+
+
 cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
                  const float[:, ::1] xd, float[:, ::1] out, int nthreads, bint plain) except -1:
     cdef Py_ssize_t m = w.shape[0], n = xq.shape[0], k = xq.shape[1]

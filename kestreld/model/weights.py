@@ -19,12 +19,18 @@ from typing import Optional
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..kernels import K
+
 QType = GGMLQuantizationType
 Q8_BLOCK = 32          # values per Q8_0 block (also the activations' quantization block)
 Q8_BLOCK_BYTES = 34    # fp16 scale + 32 int8
 
-# The types the kernels compute on in place; any other type is converted at load.
-COMPUTE_TYPES = (QType.Q8_0, QType.F32)
+
+
+def computes_on(qtype: QType) -> bool:
+    """Whether the kernels compute on `qtype` in place (their list is the C side's,
+    ks_weights.h); a matrix of any other type is converted at load."""
+    return int(qtype) in K.compute_types()
 
 
 def row_bytes(qtype: QType, cols: int) -> int:
