@@ -101,11 +101,11 @@ def test_qwen3_q8_0_in_place(tmp_path):
 
 @pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1], ids=lambda q: q.name)
 def test_llama_converted_types_and_defaults(tmp_path, qtype):
-    spec = Spec(arch="llama", head_dim=16, tied=True)
+    spec = Spec(arch="llama", hidden=128, head_dim=32, tied=True)   # head_dim = hidden / heads
     w = random_weights(spec)
     path, m = _load(tmp_path, spec, w, qtype=qtype, minimal_meta=True)
     c = m.config
-    assert c.head_dim == 16 and c.rope_theta == 10000.0 and c.norm_eps == pytest.approx(1e-5)
+    assert c.head_dim == 32 and c.rope_theta == 10000.0 and c.norm_eps == pytest.approx(1e-5)
     assert c.tied_embeddings and m.weights.output is m.weights.tok_embd
     assert not c.rope_neox and not c.qk_norm and m.source_dtype == qtype.name.lower()
     src = w["model.layers.0.mlp.down_proj.weight"]

@@ -185,3 +185,81 @@ def test_no_weights(tmp_path):
     d = _model_dir(tmp_path)
     os.remove(d / "model.safetensors")
     _fails(d, "missing file", where=d / "model.safetensors")
+
+
+# ---------------------------------------------------------------- as transformers saves them
+
+def _saved_by_transformers(tmp_path, zoo, model_type: str, drop_architectures: bool = False):
+    """A random tiny model of `model_type` built and saved by the installed transformers
+    (5.x: rope_theta inside rope_parameters, Qwen3-MoE's num_local_experts), with the
+    generated test tokenizer beside it; (directory, the transformers model)."""
+    import shutil
+
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    tok_dir = zoo.get("qwen3_tied").hf_dir
+    vocab = json.load(open(tok_dir / "config.json"))["vocab_size"]
+    common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  rope_parameters={"rope_type": "default", "rope_theta": 30000.0})
+    config, cls = {
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    }[model_type]
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                 norm_topk_prob=True) if model_type == "qwen3_moe" else {}
+    torch.manual_seed(0)
+    model = cls(config(**common, **extra)).eval()
+    out = tmp_path / model_type
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, out / name)
+    saved = json.load(open(out / "config.json"))
+    assert "rope_theta" not in saved and saved["rope_parameters"]["rope_theta"] == 30000.0
+    if model_type == "qwen3_moe":
+        assert "num_local_experts" in saved and "num_experts" not in saved
+    if drop_architectures:             # as a config saved without its model has it
+        del saved["architectures"]
+        json.dump(saved, open(out / "config.json", "w"))
+    return out, model
+
+
+@pytest.mark.parametrize("model_type,drop", [("qwen3", False), ("llama", False),
+                                              ("qwen3_moe", False), ("qwen3", True)])
+def test_configs_as_transformers_5_saves_them(tmp_path, zoo, model_type, drop):
+    import torch
+    from kestreld.engine.generate import Engine
+    from metrics import rel_rms_error
+    path, ref = _saved_by_transformers(tmp_path, zoo, model_type, drop)
+    loaded = load_model(str(path))
+    c = loaded.config
+    assert c.rope_theta == 30000.0 and c.head_dim == 32 and c.n_layers == 2
+    if model_type == "qwen3_moe":
+        assert (c.n_experts, c.n_experts_used, c.expert_ffn) == (4, 2, 64)
+    ids = list(range(5, 5 + 40))
+    got = Engine(loaded, max_seq=64).forward_logits(ids)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].double().numpy()
+    rel = rel_rms_error(got, want)
+    print(f"{model_type}: rel RMS {rel:.4f} vs transformers")
+    assert rel <= 0.03 and (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_scaled_rope_is_refused(tmp_path, zoo):
+    path, _ = _saved_by_transformers(tmp_path, zoo, "llama")
+    saved = json.load(open(path / "config.json"))
+    saved["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    json.dump(saved, open(path / "config.json", "w"))
+    with pytest.raises(ModelLoadError, match="RoPE scaling 'llama3' is not supported"):
+        load_model(str(path))
+
+
+def test_shapes_the_forward_pass_cannot_compute_are_refused_at_load(tmp_path, zoo):
+    path, _ = _saved_by_transformers(tmp_path, zoo, "qwen3")
+    saved = json.load(open(path / "config.json"))
+    saved["head_dim"] = 16
+    json.dump(saved, open(path / "config.json", "w"))
+    with pytest.raises(ModelLoadError, match="head_dim 16 is not a multiple of 32"):
+        load_model(str(path))

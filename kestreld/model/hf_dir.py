@@ -23,6 +23,9 @@ from ..text.tokenizer import Tokenizer
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                  "Qwen3MoeForCausalLM": "qwen3moe", "Qwen3VLForConditionalGeneration": "qwen3vl"}
+# A config saved from a bare config object (no model) has no `architectures`: its model_type
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 # Qwen3-VL nests its language model: config.json's text_config, tensors under this prefix.
 VL_TEXT_PREFIX = "model.language_model."
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # BF16 as raw bits
@@ -195,8 +198,9 @@ class HFSource:
     def _read_config(self, hf: dict) -> ModelConfig:
         if _is_vl(hf):
             hf = _vl_text_config(hf, self._config_file)
-        archs = hf.get("architectures") or []
-        arch_name = archs[0] if archs else None
+        else:
+            hf = dict(hf, rope_theta=_rope_theta(hf, self._config_file))
+        arch_name = _architecture(hf)
         if arch_name not in ARCHITECTURES:
             raise ModelLoadError(f"{self._config_file}: unsupported architecture {arch_name!r}; "
                                  f"supported: {', '.join(ARCHITECTURES)}")
@@ -221,7 +225,7 @@ class HFSource:
                 head_dim=int(hf.get("head_dim") or hidden // n_heads),
                 ffn=int(need("intermediate_size")),
                 vocab=int(need("vocab_size")),
-                rope_theta=float(hf.get("rope_theta", 10000.0 if arch == "llama" else 1000000.0)),
+                rope_theta=float(hf["rope_theta"] or (10000.0 if arch == "llama" else 1000000.0)),
                 norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 tied_embeddings=tied,
                 qk_norm=arch in ("qwen3", "qwen3moe", "qwen3vl"),
@@ -239,8 +243,10 @@ class HFSource:
     def _moe_hyperparameters(hf: dict, need) -> dict:
         """Qwen3MoeConfig's expert fields, with its defaults. Layer i is MoE unless it is in
         mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step (as
-        transformers' Qwen3MoeDecoderLayer decides); other layers have a dense FFN."""
-        n_layers, n_experts = int(need("num_hidden_layers")), int(need("num_experts"))
+        transformers' Qwen3MoeDecoderLayer decides); other layers have a dense FFN. The
+        expert count is `num_experts` (transformers 4) or `num_local_experts` (5)."""
+        n_layers = int(need("num_hidden_layers"))
+        n_experts = int(hf["num_experts"] if "num_experts" in hf else need("num_local_experts"))
         n_used = int(need("num_experts_per_tok"))
         if not 0 < n_used <= n_experts:
             raise ValueError(f"num_experts_per_tok {n_used} must be in 1..num_experts={n_experts}")
@@ -314,8 +320,33 @@ class HFSource:
         return np.array(values, dtype=np.float32)
 
 
+def _architecture(hf: dict):
+    """The config's model class: `architectures[0]` (saved with a model), else the class of
+    its `model_type`."""
+    archs = hf.get("architectures") or []
+    return archs[0] if archs else MODEL_TYPES.get(hf.get("model_type"))
+
+
 def _is_vl(hf: dict) -> bool:
-    return (hf.get("architectures") or [None])[0] == "Qwen3VLForConditionalGeneration"
+    return _architecture(hf) == "Qwen3VLForConditionalGeneration"
+
+
+def _rope_parameters(hf: dict) -> dict:
+    """RoPE settings: `rope_parameters` (transformers 5) or `rope_scaling` (4.x), or {}."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return rope if isinstance(rope, dict) else {}
+
+
+def _rope_theta(hf: dict, config_file: str):
+    """RoPE's base: top-level `rope_theta` (transformers 4) or inside rope_parameters (5);
+    None if neither says. Only plain RoPE is computed: a scaled one (llama3, yarn, ...) is
+    refused rather than run wrong."""
+    rope = _rope_parameters(hf)
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind != "default":
+        raise ModelLoadError(f"{config_file}: RoPE scaling {kind!r} is not supported "
+                             "(only the default RoPE)")
+    return hf.get("rope_theta") or rope.get("rope_theta")
 
 
 def is_qwen3vl_dir(path: str) -> bool:
@@ -336,12 +367,11 @@ def _vl_text_config(hf: dict, config_file: str) -> dict:
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise ModelLoadError(f"{config_file}: Qwen3-VL config without a text_config map")
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    flat = dict(text, architectures=hf["architectures"],
+    rope = _rope_parameters(text)
+    flat = dict(text, architectures=[_architecture(hf)],
                 tie_word_embeddings=hf.get("tie_word_embeddings",
-                                           text.get("tie_word_embeddings", False)))
-    if "rope_theta" not in flat and "rope_theta" in rope:
-        flat["rope_theta"] = rope["rope_theta"]
+                                           text.get("tie_word_embeddings", False)),
+                rope_theta=_rope_theta(text, config_file))
     flat["mrope_section"] = rope.get("mrope_section") or ()
     if flat["mrope_section"] and not rope.get("mrope_interleaved", True):
         raise ModelLoadError(f"{config_file}: only interleaved M-RoPE (Qwen3-VL) is supported")

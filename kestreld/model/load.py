@@ -17,7 +17,7 @@ from .gguf_file import GGUFSource
 from .hf_dir import HFSource, is_qwen3vl_dir
 from ..text.tokenizer import Tokenizer
 from .config import ModelConfig
-from .weights import LayerWeights, ModelWeights, MoEWeights
+from .weights import Q8_BLOCK, LayerWeights, ModelWeights, MoEWeights
 
 log = logging.getLogger("kestreld")
 
@@ -54,6 +54,7 @@ def load_model(path: str, cache_dir: Optional[str] = None,
         source = _open_gguf_cached(path, cache_dir)
     else:
         raise ModelLoadError(f"{path}: no such file or directory")
+    check_shapes(source.config, path)
     return LoadedModel(
         path=path,
         config=source.config,
@@ -66,6 +67,20 @@ def load_model(path: str, cache_dir: Optional[str] = None,
         vision=_vision(source, path, mmproj),
         mmproj=mmproj,
     )
+
+
+def check_shapes(c: ModelConfig, path: str) -> None:
+    """The shapes the forward pass computes on: widths in whole Q8_0 activation blocks (32),
+    whole query groups per KV head; anything else is one ModelLoadError line."""
+    widths = {"hidden size": c.hidden, "head_dim": c.head_dim, "feed-forward size": c.ffn,
+              "expert feed-forward size": c.expert_ffn}
+    for what, v in widths.items():
+        if v % Q8_BLOCK:
+            raise ModelLoadError(f"{path}: unsupported shape: {what} {v} is not a multiple "
+                                 f"of {Q8_BLOCK}")
+    if c.n_kv_heads <= 0 or c.n_heads % c.n_kv_heads:
+        raise ModelLoadError(f"{path}: unsupported shape: {c.n_heads} attention heads for "
+                             f"{c.n_kv_heads} KV heads")
 
 
 def _vision(source, path: str, mmproj: Optional[str]):
