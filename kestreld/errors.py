@@ -16,7 +16,11 @@ class KestrelError(Exception):
     code = "internal"
     http_status = 500
     exit_status = 10
-    wire = True               # a code the daemon sends (False: seen only by clients)
+    wire = True               # a code the RPC socket sends (False: HTTP API or client only)
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param    # the request field at fault, when known (OpenAI's error.param)
 
     def to_wire(self) -> dict:
         return {"code": self.code, "message": str(self)}
@@ -63,8 +67,31 @@ class Unavailable(KestrelError):
     code, http_status, exit_status, wire = "unavailable", 503, 11, False
 
 
+# HTTP API only (service/http.py): the RPC socket never sends these codes and kestrelctl
+# never meets them, so they have no exit status of their own.
+
+class Unauthorized(KestrelError):
+    """An API key is configured and the request did not carry it."""
+    code, http_status, wire = "unauthorized", 401, False
+
+
+class NotFound(KestrelError):
+    """No such HTTP path (or model id)."""
+    code, http_status, wire = "not_found", 404, False
+
+
+class MethodNotAllowed(KestrelError):
+    code, http_status, wire = "method_not_allowed", 405, False
+
+
+class Loading(KestrelError):
+    """The HTTP listener is up but the model is still loading."""
+    code, http_status, wire = "loading", 503, False
+
+
 REQUEST_ERRORS = (BadRequest, UnknownMethod, TooLarge, PromptTooLong, QueueFull, ShuttingDown,
                   Cancelled, PermissionDenied, InternalError, Unavailable)
+HTTP_ERRORS = (Unauthorized, NotFound, MethodNotAllowed, Loading)
 WIRE_CODES = tuple(e.code for e in REQUEST_ERRORS if e.wire)
 BY_CODE = {e.code: e for e in REQUEST_ERRORS}
 EXIT_STATUS = {e.code: e.exit_status for e in REQUEST_ERRORS}   # kestrelctl's exit statuses

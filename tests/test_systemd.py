@@ -195,8 +195,9 @@ def test_notifier_survives_a_vanished_notify_socket(tmp_path, caplog):
 
 CHILD = """
 import json, os, socket, sys
-from kestreld.service.systemd import activated_socket
-sock = activated_socket(os.environ)
+from kestreld.service.systemd import activated_sockets
+sock, http = activated_sockets(os.environ)
+assert http == ()
 conn, _ = sock.accept()
 conn.sendall(json.dumps({
     "fd": sock.fileno(), "family": int(sock.family), "type": int(sock.type),
@@ -247,8 +248,8 @@ def test_activated_socket_refuses_a_datagram_socket(tmp_path):
     path = str(tmp_path / "kestreld.sock")
     child = subprocess.Popen(["systemd-socket-activate", "--datagram", "-l", path,
                               "-E", f"PYTHONPATH={CHECKOUT}", sys.executable, "-c",
-                              "import os; from kestreld.service.systemd import activated_socket; "
-                              "activated_socket(os.environ)"],
+                              "import os; from kestreld.service.systemd import activated_sockets; "
+                              "activated_sockets(os.environ)"],
                              stderr=subprocess.PIPE, text=True)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
@@ -266,7 +267,7 @@ def test_listen_fds_ignores_and_clears_another_process_fds():
     env = {"LISTEN_PID": str(os.getpid() + 1), "LISTEN_FDS": "1", "LISTEN_FDNAMES": "x", "HOME": "/"}
     assert systemd.listen_fds(env) == []
     assert env == {"HOME": "/"}
-    assert systemd.activated_socket({}) is None
+    assert systemd.activated_sockets({}) == (None, ())
 
 
 # ---------------------------------------------------------------- the daemon, activated
