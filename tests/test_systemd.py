@@ -62,7 +62,10 @@ def test_units_verify_without_warnings(tmp_path):
     _need("systemd-analyze")
     text = (UNITS / "kestreld.service").read_text()
     assert "ExecStart=/opt/kestrel/venv/bin/kestreld --config /etc/kestrel/kestreld.conf\n" in text
-    result = _verify(*_units_for_verify(tmp_path, text))
+    sock, service = _units_for_verify(tmp_path, text)
+    http = tmp_path / "kestreld-http.socket"
+    shutil.copy(UNITS / "kestreld-http.socket", http)
+    result = _verify(sock, http, service)
     assert (result.returncode, result.stderr) == (0, "")
 
 
@@ -100,6 +103,19 @@ def test_units_agree_with_each_other_and_the_protocol():
     # The .socket unit owns /run/kestrel: a service RuntimeDirectory=kestrel would delete the
     # socket file on every service restart.
     assert not re.search(r"^RuntimeDirectory=kestrel\s*$", service, re.M)
+
+
+def test_http_socket_unit_is_loopback_only_and_named_for_the_daemon():
+    text = (UNITS / "kestreld-http.socket").read_text()
+    for line in ("ListenStream=127.0.0.1:8080", f"FileDescriptorName={systemd.HTTP_FDNAME}",
+                 "Service=kestreld.service", "Accept=no", "IPAddressAllow=localhost",
+                 "IPAddressDeny=any"):
+        assert re.search(rf"^{re.escape(line)}$", text, re.M), line
+    listen = re.findall(r"^ListenStream=(.*)$", text, re.M)
+    cfg = Config(http=tuple(listen))          # refuses any non-loopback address
+    assert all(a.loopback for a in cfg.http_addresses)
+    for script in ("install-service.sh", "uninstall-service.sh"):
+        assert "kestreld-http.socket" in (CHECKOUT / "scripts" / script).read_text(), script
 
 
 def test_sample_config_is_a_valid_config():
@@ -261,6 +277,29 @@ def test_activated_socket_refuses_a_datagram_socket(tmp_path):
             child.wait()
     assert child.returncode == 1
     assert "StartupError: socket activation: expected one AF_UNIX stream socket" in err
+
+
+def test_activated_sockets_tells_the_http_sockets_by_name(tmp_path):
+    """Both units' sockets passed at once (as systemd does for kestreld.service): the one
+    named `http` goes to the HTTP API, the other is the RPC socket."""
+    _need("systemd-socket-activate")
+    path = str(tmp_path / "kestreld.sock")
+    child = subprocess.Popen(
+        ["systemd-socket-activate", "-l", path, "-l", "127.0.0.1:0",
+         "--fdname=kestreld.socket:http", "-E", f"PYTHONPATH={CHECKOUT}", sys.executable, "-c",
+         "import json, os, socket\n"
+         "from kestreld.service.systemd import activated_sockets\n"
+         "rpc, http = activated_sockets(os.environ)\n"
+         "conn, _ = rpc.accept()\n"
+         "conn.sendall(json.dumps([int(rpc.family), [int(s.family) for s in http]]).encode())\n"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        with _connect(path, 10) as s:
+            s.settimeout(20)
+            seen = json.loads(s.makefile("rb").read())
+    finally:
+        child.wait(20)
+    assert seen == [int(socket.AF_UNIX), [int(socket.AF_INET)]], child.stderr.read()
 
 
 def test_listen_fds_ignores_and_clears_another_process_fds():
