@@ -243,20 +243,28 @@ def _connect(path: str, timeout: float) -> socket.socket:
     return s
 
 
-def test_listen_fds_takes_the_passed_socket(tmp_path):
+def _activated_child(path: str, activate_args: list, code: str):
+    """Run `code` under systemd-socket-activate (the socket at `path` first, then
+    `activate_args`); connect to `path` and return the JSON the child sends back."""
     _need("systemd-socket-activate")
-    path = str(tmp_path / "kestreld.sock")
-    child = subprocess.Popen(["systemd-socket-activate", "-l", path, "--fdname=kestrel",
-                              "-E", f"PYTHONPATH={CHECKOUT}", sys.executable, "-c", CHILD],
+    child = subprocess.Popen(["systemd-socket-activate", "-l", path, *activate_args,
+                              "-E", f"PYTHONPATH={CHECKOUT}", sys.executable, "-c", code],
                              stderr=subprocess.PIPE, text=True)
     try:
         with _connect(path, 10) as s:
             s.settimeout(20)
-            seen = json.loads(s.makefile("rb").read())
+            seen = json.loads(s.makefile("rb").read() or b"null")
     finally:
         child.wait(20)
+    assert seen is not None, child.stderr.read()
+    return seen
+
+
+def test_listen_fds_takes_the_passed_socket(tmp_path):
+    path = str(tmp_path / "kestreld.sock")
+    seen = _activated_child(path, ["--fdname=kestrel"], CHILD)
     assert seen == {"fd": 3, "family": int(socket.AF_UNIX), "type": int(socket.SOCK_STREAM),
-                    "inheritable": False, "name": path, "left": []}, child.stderr.read()
+                    "inheritable": False, "name": path, "left": []}
 
 
 def test_activated_socket_refuses_a_datagram_socket(tmp_path):
@@ -282,24 +290,17 @@ def test_activated_socket_refuses_a_datagram_socket(tmp_path):
 def test_activated_sockets_tells_the_http_sockets_by_name(tmp_path):
     """Both units' sockets passed at once (as systemd does for kestreld.service): the one
     named `http` goes to the HTTP API, the other is the RPC socket."""
-    _need("systemd-socket-activate")
-    path = str(tmp_path / "kestreld.sock")
-    child = subprocess.Popen(
-        ["systemd-socket-activate", "-l", path, "-l", "127.0.0.1:0",
-         "--fdname=kestreld.socket:http", "-E", f"PYTHONPATH={CHECKOUT}", sys.executable, "-c",
-         "import json, os, socket\n"
-         "from kestreld.service.systemd import activated_sockets\n"
-         "rpc, http = activated_sockets(os.environ)\n"
-         "conn, _ = rpc.accept()\n"
-         "conn.sendall(json.dumps([int(rpc.family), [int(s.family) for s in http]]).encode())\n"],
-        stderr=subprocess.PIPE, text=True)
-    try:
-        with _connect(path, 10) as s:
-            s.settimeout(20)
-            seen = json.loads(s.makefile("rb").read())
-    finally:
-        child.wait(20)
-    assert seen == [int(socket.AF_UNIX), [int(socket.AF_INET)]], child.stderr.read()
+    with socket.socket() as probe:          # a free port (systemd-socket-activate takes no 0)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    seen = _activated_child(
+        str(tmp_path / "kestreld.sock"), ["-l", f"127.0.0.1:{port}", "--fdname=kestreld.socket:http"],
+        "import json, os\n"
+        "from kestreld.service.systemd import activated_sockets\n"
+        "rpc, http = activated_sockets(os.environ)\n"
+        "conn, _ = rpc.accept()\n"
+        "conn.sendall(json.dumps([int(rpc.family), [int(s.family) for s in http]]).encode())\n")
+    assert seen == [int(socket.AF_UNIX), [int(socket.AF_INET)]]
 
 
 def test_listen_fds_ignores_and_clears_another_process_fds():
