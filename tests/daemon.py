@@ -11,6 +11,7 @@ LISTEN_* or NOTIFY_SOCKET variables.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,6 +84,14 @@ class Daemon:
 
     def client(self, timeout: float = 120) -> Client:
         return Client(self.socket, timeout=timeout)
+
+    @property
+    def http_url(self) -> str:
+        """The first HTTP API URL the daemon logged (`--http 127.0.0.1:0` picks a port)."""
+        m = re.search(r"HTTP API listening on (http://[^ ,]+)", self.log())
+        if m is None:
+            raise RuntimeError(f"kestreld logged no HTTP listener:\n{self.log()}")
+        return m.group(1)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

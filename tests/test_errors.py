@@ -8,7 +8,9 @@ def test_the_protocols_closed_set_of_codes():
                                  "internal")
     kinds = errors.REQUEST_ERRORS
     assert len({k.code for k in kinds}) == len(kinds)
-    assert len({k.exit_status for k in kinds}) == len(kinds)         # kestrelctl tells them apart
+    exits = [k.exit_status for k in kinds if k.exit_status is not None]
+    assert len(set(exits)) == len(exits) == len(errors.EXIT_STATUS)   # kestrelctl tells them apart
+    assert all(k.wire or k.exit_status is None or k is errors.Unavailable for k in kinds)
     assert all(400 <= k.http_status < 600 for k in kinds)
     assert errors.EXIT_STATUS["unavailable"] == 11 and not errors.Unavailable.wire
     assert errors.BY_CODE["queue_full"] is errors.QueueFull

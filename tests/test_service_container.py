@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from container import SystemdContainer, unavailable_reason, unit_with
@@ -35,6 +37,15 @@ MAX_NEW_TOKENS = 1800           # the long request's cap (prompt + this < MAX_SE
 PROMPT = ("The kestrel is a small falcon that hovers over open fields, watching the grass "
           "for mice and beetles, then drops on its prey.")
 FOLLOW_UP = PROMPT + " Where does the kestrel build its nest?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+HTTP_PORT = _free_port()        # the container shares the host's loopback
 
 
 def _bound_folders() -> list[str]:
@@ -78,9 +89,11 @@ def box(tmp_path_factory):
     folders = _bound_folders()
     files = {
         "kestreld.service": _test_service(folders),
+        "kestreld-http.socket": unit_with((UNITS / "kestreld-http.socket").read_text(), {
+            "ListenStream": f"ListenStream=127.0.0.1:{HTTP_PORT}"}),
         "kestreld.conf": _test_config(),
         # Presets would enable every unit with an [Install] section on this first boot.
-        "preset": "disable kestreld.service\ndisable kestreld.socket\n",
+        "preset": "disable kestreld.service\ndisable kestreld.socket\ndisable kestreld-http.socket\n",
         # Stands in for install-service.sh's `groupadd --system kestrel`.
         "sysusers.conf": "g kestrel -\n",
     }
@@ -91,6 +104,7 @@ def box(tmp_path_factory):
         model_path(): MODEL_IN_BOX,
         str(tmp / "kestreld.service"): "/etc/systemd/system/kestreld.service",
         str(UNITS / "kestreld.socket"): "/etc/systemd/system/kestreld.socket",
+        str(tmp / "kestreld-http.socket"): "/etc/systemd/system/kestreld-http.socket",
         str(tmp / "kestreld.conf"): "/etc/kestrel/kestreld.conf",
         str(tmp / "preset"): "/etc/systemd/system-preset/00-test.preset",
         str(tmp / "sysusers.conf"): "/etc/sysusers.d/kestrel.conf",
@@ -197,3 +211,20 @@ def test_sigstop_trips_the_watchdog(box):
               WATCHDOG_S + 30)
     journal = box.journal("kestreld.service")
     assert "Watchdog timeout" in journal and "Failed with result 'watchdog'" in journal
+
+
+def test_http_api_through_its_socket_unit(box):
+    """kestreld-http.socket passes its TCP socket (FileDescriptorName=http) to the service,
+    whose sandbox is unchanged (PrivateNetwork=yes, RestrictAddressFamilies=AF_UNIX,
+    IPAddressDeny=any): /health and a chat answer on 127.0.0.1 through the unit."""
+    box.systemctl("start", "kestreld-http.socket")
+    box.systemctl("restart", "kestreld.service")      # now started with both sockets
+    url = f"http://127.0.0.1:{HTTP_PORT}"
+    with httpx.Client(base_url=url, timeout=120) as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    with _client(box, 60) as kc:                       # the RPC socket as before
+        assert kc.ping()["pid"] == _main_pid(box)
+    assert "HTTP API listening on http://127.0.0.1" in box.journal("kestreld.service")

@@ -62,7 +62,10 @@ def test_units_verify_without_warnings(tmp_path):
     _need("systemd-analyze")
     text = (UNITS / "kestreld.service").read_text()
     assert "ExecStart=/opt/kestrel/venv/bin/kestreld --config /etc/kestrel/kestreld.conf\n" in text
-    result = _verify(*_units_for_verify(tmp_path, text))
+    sock, service = _units_for_verify(tmp_path, text)
+    http = tmp_path / "kestreld-http.socket"
+    shutil.copy(UNITS / "kestreld-http.socket", http)
+    result = _verify(sock, http, service)
     assert (result.returncode, result.stderr) == (0, "")
 
 
@@ -100,6 +103,19 @@ def test_units_agree_with_each_other_and_the_protocol():
     # The .socket unit owns /run/kestrel: a service RuntimeDirectory=kestrel would delete the
     # socket file on every service restart.
     assert not re.search(r"^RuntimeDirectory=kestrel\s*$", service, re.M)
+
+
+def test_http_socket_unit_is_loopback_only_and_named_for_the_daemon():
+    text = (UNITS / "kestreld-http.socket").read_text()
+    for line in ("ListenStream=127.0.0.1:8080", f"FileDescriptorName={systemd.HTTP_FDNAME}",
+                 "Service=kestreld.service", "Accept=no", "IPAddressAllow=localhost",
+                 "IPAddressDeny=any"):
+        assert re.search(rf"^{re.escape(line)}$", text, re.M), line
+    listen = re.findall(r"^ListenStream=(.*)$", text, re.M)
+    cfg = Config(http=tuple(listen))          # refuses any non-loopback address
+    assert all(a.loopback for a in cfg.http_addresses)
+    for script in ("install-service.sh", "uninstall-service.sh"):
+        assert "kestreld-http.socket" in (CHECKOUT / "scripts" / script).read_text(), script
 
 
 def test_sample_config_is_a_valid_config():
@@ -195,8 +211,9 @@ def test_notifier_survives_a_vanished_notify_socket(tmp_path, caplog):
 
 CHILD = """
 import json, os, socket, sys
-from kestreld.service.systemd import activated_socket
-sock = activated_socket(os.environ)
+from kestreld.service.systemd import activated_sockets
+sock, http = activated_sockets(os.environ)
+assert http == ()
 conn, _ = sock.accept()
 conn.sendall(json.dumps({
     "fd": sock.fileno(), "family": int(sock.family), "type": int(sock.type),
@@ -226,20 +243,28 @@ def _connect(path: str, timeout: float) -> socket.socket:
     return s
 
 
-def test_listen_fds_takes_the_passed_socket(tmp_path):
+def _activated_child(path: str, activate_args: list, code: str):
+    """Run `code` under systemd-socket-activate (the socket at `path` first, then
+    `activate_args`); connect to `path` and return the JSON the child sends back."""
     _need("systemd-socket-activate")
-    path = str(tmp_path / "kestreld.sock")
-    child = subprocess.Popen(["systemd-socket-activate", "-l", path, "--fdname=kestrel",
-                              "-E", f"PYTHONPATH={CHECKOUT}", sys.executable, "-c", CHILD],
+    child = subprocess.Popen(["systemd-socket-activate", "-l", path, *activate_args,
+                              "-E", f"PYTHONPATH={CHECKOUT}", sys.executable, "-c", code],
                              stderr=subprocess.PIPE, text=True)
     try:
         with _connect(path, 10) as s:
             s.settimeout(20)
-            seen = json.loads(s.makefile("rb").read())
+            seen = json.loads(s.makefile("rb").read() or b"null")
     finally:
         child.wait(20)
+    assert seen is not None, child.stderr.read()
+    return seen
+
+
+def test_listen_fds_takes_the_passed_socket(tmp_path):
+    path = str(tmp_path / "kestreld.sock")
+    seen = _activated_child(path, ["--fdname=kestrel"], CHILD)
     assert seen == {"fd": 3, "family": int(socket.AF_UNIX), "type": int(socket.SOCK_STREAM),
-                    "inheritable": False, "name": path, "left": []}, child.stderr.read()
+                    "inheritable": False, "name": path, "left": []}
 
 
 def test_activated_socket_refuses_a_datagram_socket(tmp_path):
@@ -247,8 +272,8 @@ def test_activated_socket_refuses_a_datagram_socket(tmp_path):
     path = str(tmp_path / "kestreld.sock")
     child = subprocess.Popen(["systemd-socket-activate", "--datagram", "-l", path,
                               "-E", f"PYTHONPATH={CHECKOUT}", sys.executable, "-c",
-                              "import os; from kestreld.service.systemd import activated_socket; "
-                              "activated_socket(os.environ)"],
+                              "import os; from kestreld.service.systemd import activated_sockets; "
+                              "activated_sockets(os.environ)"],
                              stderr=subprocess.PIPE, text=True)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
@@ -262,11 +287,27 @@ def test_activated_socket_refuses_a_datagram_socket(tmp_path):
     assert "StartupError: socket activation: expected one AF_UNIX stream socket" in err
 
 
+def test_activated_sockets_tells_the_http_sockets_by_name(tmp_path):
+    """Both units' sockets passed at once (as systemd does for kestreld.service): the one
+    named `http` goes to the HTTP API, the other is the RPC socket."""
+    with socket.socket() as probe:          # a free port (systemd-socket-activate takes no 0)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    seen = _activated_child(
+        str(tmp_path / "kestreld.sock"), ["-l", f"127.0.0.1:{port}", "--fdname=kestreld.socket:http"],
+        "import json, os\n"
+        "from kestreld.service.systemd import activated_sockets\n"
+        "rpc, http = activated_sockets(os.environ)\n"
+        "conn, _ = rpc.accept()\n"
+        "conn.sendall(json.dumps([int(rpc.family), [int(s.family) for s in http]]).encode())\n")
+    assert seen == [int(socket.AF_UNIX), [int(socket.AF_INET)]]
+
+
 def test_listen_fds_ignores_and_clears_another_process_fds():
     env = {"LISTEN_PID": str(os.getpid() + 1), "LISTEN_FDS": "1", "LISTEN_FDNAMES": "x", "HOME": "/"}
     assert systemd.listen_fds(env) == []
     assert env == {"HOME": "/"}
-    assert systemd.activated_socket({}) is None
+    assert systemd.activated_sockets({}) == (None, ())
 
 
 # ---------------------------------------------------------------- the daemon, activated

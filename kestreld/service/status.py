@@ -30,6 +30,10 @@ class StatusReporter:
         self._process = psutil.Process(os.getpid())
         self.started_at = self._process.create_time()   # process start: uptime includes the load
 
+    def rss_bytes(self) -> int:
+        """The daemon's resident memory."""
+        return self._process.memory_info().rss
+
     def status(self) -> dict:
         eng, kv = self._engine, self._engine.kv
         cfg = eng.model.config
@@ -52,7 +56,7 @@ class StatusReporter:
             "cache_len": engine_stats["cache_len"],
             "prefix": dict(engine_stats["prefix"]),
             "disk_kv": eng.disk_kv.stats() if eng.disk_kv is not None else {"enabled": False},
-            "rss_mb": round(self._process.memory_info().rss / 2**20, 1),
+            "rss_mb": round(self.rss_bytes() / 2**20, 1),
             "mem_avail_mb": round(psutil.virtual_memory().available / 2**20, 1),
             "threads": self._config.n_threads,
         }

@@ -3,10 +3,11 @@
 `Notifier` sends the sd_notify datagrams (READY=1, STATUS=, WATCHDOG=1, STOPPING=1) to
 `$NOTIFY_SOCKET`; every method is a no-op when the daemon was not started by systemd
 (or `systemd-socket-activate`, or a test) with that variable. `listen_fds` takes over the
-listening sockets that systemd passes with `LISTEN_FDS` (socket activation).
+listening sockets that systemd passes with `LISTEN_FDS` (socket activation), and
+`activated_sockets` tells the RPC socket from the HTTP API's by their LISTEN_FDNAMES.
 
 Only `main` reads the environment: it hands `os.environ` to `Notifier.from_environ` and
-`listen_fds`/`activated_socket` once, at start-up. Integration contract (docs/service.md):
+`activated_sockets` once, at start-up. Integration contract (docs/service.md):
 `ready()` only after the model is loaded and the KV arena allocated; `watchdog()` from a
 timer in the asyncio loop every `watchdog_interval` seconds (so a wedged loop is restarted,
 while a long prefill in the engine thread is not taken for a hang); `status()` when the
@@ -122,8 +123,12 @@ def _one_line(text: str) -> str:
     return " ".join(text.splitlines())
 
 
-def listen_fds(environ: MutableMapping[str, str]) -> list[socket.socket]:
-    """The sockets passed by socket activation (LISTEN_FDS from fd 3), in order.
+HTTP_FDNAME = "http"   # FileDescriptorName= of kestreld-http.socket
+
+
+def listen_fds(environ: MutableMapping[str, str]) -> list[tuple[str, socket.socket]]:
+    """The sockets passed by socket activation (LISTEN_FDS from fd 3), in order, each with
+    its name (LISTEN_FDNAMES: the unit's FileDescriptorName=, by default the unit's name).
 
     Empty unless LISTEN_PID is this process. LISTEN_FDS, LISTEN_PID and LISTEN_FDNAMES are
     removed from `environ` in every case (with os.environ: from the process environment),
@@ -131,38 +136,51 @@ def listen_fds(environ: MutableMapping[str, str]) -> list[socket.socket]:
     try:
         pid = _positive_int(environ, "LISTEN_PID")
         n = _positive_int(environ, "LISTEN_FDS")
+        names = environ.get("LISTEN_FDNAMES", "").split(":")
     finally:
         for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
             environ.pop(name, None)
     if pid != os.getpid() or n is None:
         return []
+    names += ["unknown"] * (n - len(names))
     sockets = []
-    for fd in range(LISTEN_FDS_START, LISTEN_FDS_START + n):
+    for i, fd in enumerate(range(LISTEN_FDS_START, LISTEN_FDS_START + n)):
         try:
             os.set_inheritable(fd, False)
-            sockets.append(socket.socket(fileno=fd))  # family and type are read from the fd
+            sockets.append((names[i], socket.socket(fileno=fd)))  # family, type read from the fd
         except OSError as e:
-            for s in sockets:
+            for _, s in sockets:
                 s.close()
             raise StartupError(f"socket activation: fd {fd} of LISTEN_FDS={n} is not a "
                                f"socket: {e.strerror}") from None
     return sockets
 
 
-def activated_socket(environ: MutableMapping[str, str]) -> Optional[socket.socket]:
-    """The one listening Unix stream socket passed by systemd, or None without activation.
+def activated_sockets(environ: MutableMapping[str, str]) -> tuple[Optional[socket.socket], tuple]:
+    """(the RPC socket, the HTTP sockets) passed by systemd; (None, ()) without activation.
 
-    Kestrel's .socket unit passes exactly one (ListenStream=, Accept=no); anything else is
-    a misconfigured unit and stops start-up."""
+    The HTTP API's sockets are the ones named `http` (kestreld-http.socket's
+    FileDescriptorName=http: listening stream sockets, TCP or Unix); the others must be
+    exactly one listening Unix stream socket (kestreld.socket: ListenStream=, Accept=no).
+    Anything else is a misconfigured unit and stops start-up."""
     sockets = listen_fds(environ)
-    if not sockets:
-        return None
-    kinds = [(s.family, s.type) for s in sockets]
-    if len(sockets) != 1 or kinds[0] != (socket.AF_UNIX, socket.SOCK_STREAM):
-        for s in sockets:
+    http = tuple(s for name, s in sockets if name == HTTP_FDNAME)
+    rpc = [s for name, s in sockets if name != HTTP_FDNAME]
+    try:
+        for s in http:
+            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6,
+                                                                 socket.AF_UNIX):
+                raise StartupError(f"socket activation: the http socket fd {s.fileno()} is not "
+                                   f"a TCP or Unix stream socket")
+        kinds = [(s.family, s.type) for s in rpc]
+        if len(rpc) > 1 or kinds and kinds[0] != (socket.AF_UNIX, socket.SOCK_STREAM):
+            raise StartupError(f"socket activation: expected one AF_UNIX stream socket, got {kinds}")
+        for s in rpc + list(http):
+            if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                raise StartupError(f"socket activation: the passed socket fd {s.fileno()} is "
+                                   f"not listening (Accept=yes?)")
+    except StartupError:
+        for _, s in sockets:
             s.close()
-        raise StartupError(f"socket activation: expected one AF_UNIX stream socket, got {kinds}")
-    if not sockets[0].getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-        sockets[0].close()
-        raise StartupError("socket activation: the passed socket is not listening (Accept=yes?)")
-    return sockets[0]
+        raise
+    return (rpc[0] if rpc else None), http

@@ -1,0 +1,350 @@
+"""The HTTP transport: OpenAI's API (and /health, /metrics) on aiohttp, beside the RPC socket.
+
+It runs on the daemon's event loop and shares the RPC socket's engine, scheduler, limits
+and methods: openai.py turns a request body into the params of the RPC `chat` / `generate`
+method, `Methods.validate` and `Methods.submit` take it from there, and the job's events
+come back here to be written as one JSON response or as server-sent events.
+
+Life cycle: `start` listens before the model is loaded (`/health` answers 503 `loading`),
+`ready` once it is, `stopping` when shutdown begins (503 `shutting_down`), `close` last.
+
+Security (docs/http.md): loopback addresses only unless --http-allow-remote; the Host header
+must name a loopback host (DNS rebinding) unless the request came over the Unix socket or
+remote access is allowed; CORS headers only for the configured origins; an optional API
+key (Bearer, constant-time compare); the body bounded by max_message_bytes; every error
+JSON in OpenAI's shape. A client that closes its connection cancels its request: aiohttp
+cancels the handler (handler_cancellation=True), which withdraws the job from the
+scheduler (removed if queued, stopped within a prefill chunk or a token if running).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+import time
+from typing import Optional
+
+from aiohttp import web
+
+from ..errors import (BadRequest, KestrelError, Loading, MethodNotAllowed, NotFound,
+                      PermissionDenied, ShuttingDown, StartupError, TooLarge, Unauthorized,
+                      internal)
+from .config import Config, HttpAddress
+from .methods import Methods, completion_result, token_payload
+from .metrics import CONTENT_TYPE, Metrics
+from .openai import (CHAT_PATH, COMPLETIONS_PATH, Answer, Translated, chat_request,
+                     completion_request, error_body, model, models)
+from .scheduler import Done, Failed, Progress, Token
+from .server import bind_unix_socket, remove_own_socket
+
+log = logging.getLogger("kestreld.service.http")
+
+HTTP_CONN_ID = 0              # the scheduler's conn_id of HTTP jobs (RPC connections count from 1)
+SHUTDOWN_TIMEOUT_S = 2.0      # after the scheduler is drained: time for the last answers to go out
+PATHS = (CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health", "/metrics")
+CORS_HEADERS = "Authorization, Content-Type"
+
+
+def read_api_key(path: str) -> str:
+    """The API key in `path` (its first line, stripped); StartupError if unreadable or empty."""
+    try:
+        with open(path) as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise StartupError(f"cannot read the HTTP API key file {path}: {e.strerror}") from None
+    if not key:
+        raise StartupError(f"the HTTP API key file {path} is empty")
+    return key
+
+
+def _loopback_host(host: str) -> bool:
+    """A Host header naming this machine's loopback: localhost, 127.0.0.0/8 or [::1]."""
+    name = host.rsplit("]", 1)[0].lstrip("[") if host.startswith("[") else host.rsplit(":", 1)[0]
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _listening_socket(address: HttpAddress, cfg: Config) -> tuple[socket.socket, Optional[tuple]]:
+    """A listening socket for `address` and, for a Unix socket we created, its identity."""
+    if address.path is not None:
+        sock, identity = bind_unix_socket(address.path, cfg.socket_mode, cfg.socket_group)
+        return sock, identity
+    try:
+        family, _, _, _, where = socket.getaddrinfo(address.host, address.port,
+                                                    type=socket.SOCK_STREAM)[0]
+        sock = socket.create_server(where[:2], family=family, backlog=128)
+    except OSError as e:
+        raise StartupError(f"cannot listen on http {address}: {e.strerror or e}") from None
+    return sock, None
+
+
+class HttpApi:
+    """The HTTP listeners and their aiohttp application."""
+
+    def __init__(self, cfg: Config, metrics: Metrics, api_key: Optional[str] = None):
+        self.cfg = cfg
+        self.metrics = metrics
+        self.api_key = api_key
+        self.methods: Optional[Methods] = None
+        self.model_id = ""
+        self.created = int(time.time())
+        self.state = "loading"            # "loading" -> "ready" -> "stopping" -> "closed"
+        self._next_msgid = 0
+        self._own_sockets: list = []      # (path, identity) of Unix sockets we created
+        app = web.Application(client_max_size=cfg.max_message_bytes,
+                              middlewares=[self._middleware])
+        app.router.add_post(CHAT_PATH, self._chat)
+        app.router.add_post(COMPLETIONS_PATH, self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id}", self._model)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.on_response_prepare.append(self._cors)
+        # handler_cancellation: a closed connection cancels its handler (and so its job)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+
+    # ------------------------------------------------------------ life cycle
+
+    async def start(self, inherited: tuple = ()) -> list[str]:
+        """Listen on the sockets systemd passed (FileDescriptorName=http), else on every
+        configured address. Returns where it listens (URLs)."""
+        await self._runner.setup()
+        sockets = list(inherited)
+        if not sockets:
+            for address in self.cfg.http_addresses:
+                sock, identity = _listening_socket(address, self.cfg)
+                if identity is not None:
+                    self._own_sockets.append((address.path, identity))
+                sockets.append(sock)
+        where = []
+        for sock in sockets:
+            site = web.SockSite(self._runner, sock)
+            await site.start()
+            where.append(site.name)
+        return where
+
+    def ready(self, methods: Methods, model_id: str) -> None:
+        """The model is loaded: serve requests."""
+        self.methods = methods
+        self.model_id = model_id
+        self.state = "ready"
+
+    async def stop_accepting(self) -> None:
+        """Shutdown begins: close the listeners, remove our socket files; requests still
+        arriving on open connections get 503 shutting_down."""
+        self.state = "stopping"
+        for site in list(self._runner.sites):
+            await site.stop()
+        for path, identity in self._own_sockets:
+            remove_own_socket(path, identity)
+        self._own_sockets = []
+
+    async def close(self) -> None:
+        """Close the connections (their answers are out: the scheduler is drained)."""
+        if self.state == "closed":
+            return
+        await self.stop_accepting()
+        await self._runner.cleanup()
+        self.state = "closed"
+
+    # ------------------------------------------------------------ every request
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        path = ("/v1/models/{id}" if request.path.startswith("/v1/models/")
+                else request.path if request.path in PATHS else "other")   # bounded labels
+        try:
+            self._check_access(request)
+            if request.method == "OPTIONS":
+                response = self._preflight(request)
+            else:
+                response = await handler(request)
+        except web.HTTPException as e:
+            response = self._error(_from_http_exception(request, e, self.cfg.max_message_bytes))
+        except ConnectionError:           # the client went away mid-answer: nobody to tell
+            raise
+        except KestrelError as e:
+            response = self._error(e)
+        except Exception as e:            # a bug here must not kill the daemon
+            log.exception("HTTP %s %s: internal error", request.method, request.path)
+            response = self._error(internal(e))
+        self.metrics.http_response(path, response.status)
+        return response
+
+    def _check_access(self, request: web.Request) -> None:
+        """Host (DNS rebinding), then the API key."""
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        over_unix = sock is not None and sock.family == socket.AF_UNIX
+        host = request.headers.get("Host")
+        if not (self.cfg.http_allow_remote or over_unix or host is None or _loopback_host(host)):
+            raise PermissionDenied(f"Host {host[:100]!r} is not a loopback name: the HTTP API "
+                                   f"answers only localhost, 127.0.0.1 or [::1]")
+        if self.api_key is None or request.method == "OPTIONS" or request.path == "/health":
+            return
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                 self.api_key.encode()):
+            raise Unauthorized("missing or wrong API key: send Authorization: Bearer KEY")
+
+    def _allowed_origin(self, request: web.Request) -> Optional[str]:
+        origin = request.headers.get("Origin")
+        allowed = self.cfg.http_cors_origin
+        if origin is None or not allowed:
+            return None
+        return origin if origin in allowed or "*" in allowed else None
+
+    def _preflight(self, request: web.Request) -> web.Response:
+        if self._allowed_origin(request) is None:
+            raise MethodNotAllowed(f"OPTIONS {request.path}: no CORS origin is allowed "
+                                   f"(--http-cors-origin)")
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": CORS_HEADERS, "Access-Control-Max-Age": "600"})
+
+    async def _cors(self, request: web.Request, response: web.StreamResponse) -> None:
+        origin = self._allowed_origin(request)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+
+    def _error(self, error: KestrelError) -> web.Response:
+        return web.json_response(error_body(error), status=error.http_status)
+
+    def _serving(self) -> Methods:
+        if self.state == "loading":
+            raise Loading("the model is loading; try again shortly")
+        if self.state == "stopping":
+            raise ShuttingDown("the daemon is shutting down")
+        return self.methods
+
+    # ------------------------------------------------------------ endpoints
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self._serving()
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self._serving()
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._serving()
+        return web.json_response(models(self.model_id, self.created))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        self._serving()
+        if request.match_info["model_id"] != self.model_id:
+            raise NotFound(f"no model {request.match_info['model_id'][:100]!r}: this daemon "
+                           f"serves {self.model_id!r}")
+        return web.json_response(model(self.model_id, self.created))
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat_request)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, completion_request)
+
+    # ------------------------------------------------------------ generation
+
+    async def _generate(self, request: web.Request, translate) -> web.StreamResponse:
+        """Read, translate (openai.py), validate and submit; answer whole or streamed."""
+        methods = self._serving()
+        req: Translated = translate(await _json(request), self.model_id)
+        params = methods.validate(req.method, req.params)
+        events: asyncio.Queue = asyncio.Queue()
+        self._next_msgid += 1
+        job = methods.submit(HTTP_CONN_ID, self._next_msgid, params, events.put_nowait,
+                             transport="http", endpoint=request.path)
+        answer = Answer(req, self.model_id, lambda i: methods.engine.tokenizer.token_bytes([i]),
+                        int(time.time()))
+        finished = False
+        try:
+            if req.stream:
+                response = await self._stream(request, events, answer)
+            else:
+                response = await self._whole(events, answer)
+            finished = True
+            return response
+        finally:
+            # the client went away (the handler is cancelled) or a write failed: the job
+            # must not run on for nobody
+            if not finished:
+                methods.scheduler.withdraw(job)
+
+    async def _whole(self, events: asyncio.Queue, answer: Answer) -> web.Response:
+        while True:
+            ev = await events.get()
+            if isinstance(ev, Done):
+                return web.json_response(answer.response(
+                    completion_result(ev.completion, ev.queue_ms, ev.ttft_ms)))
+            if isinstance(ev, Failed):
+                raise ev.error
+
+    async def _stream(self, request: web.Request, events: asyncio.Queue,
+                      answer: Answer) -> web.StreamResponse:
+        """Server-sent events. The status line waits for the first token, so an error
+        before it (a bad image, a prompt too long, a full queue's shutdown) is a plain
+        JSON error with its status; after it, an error is a last `data: {"error": ...}`."""
+        response = None
+        while True:
+            ev = await events.get()
+            if isinstance(ev, Progress):
+                continue
+            if response is None:
+                if isinstance(ev, Failed):
+                    raise ev.error
+                response = web.StreamResponse(headers={
+                    "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no"})
+                await response.prepare(request)
+                first = answer.first_chunk()
+                if first is not None:
+                    await _send(response, first)
+            if isinstance(ev, Token):
+                chunk = answer.token_chunk(token_payload(ev.event))
+                if chunk is not None:
+                    await _send(response, chunk)
+            elif isinstance(ev, Done):
+                result = completion_result(ev.completion, ev.queue_ms, ev.ttft_ms)
+                for chunk in answer.last_chunks(result):
+                    await _send(response, chunk)
+                break
+            else:
+                await _send(response, error_body(ev.error))
+                break
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _send(response: web.StreamResponse, obj: dict) -> None:
+    await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+
+async def _json(request: web.Request):
+    """The request body as JSON (TooLarge past max_message_bytes, BadRequest if invalid)."""
+    body = await request.read()
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:    # UnicodeDecodeError is a ValueError
+        raise BadRequest(f"the body is not valid JSON: {str(e)[:200]}") from None
+
+
+def _from_http_exception(request: web.Request, e: web.HTTPException, limit: int) -> KestrelError:
+    """aiohttp's own refusals (no route, wrong method, body too large) as Kestrel errors."""
+    if e.status == 404:
+        return NotFound(f"no such path {request.path[:200]!r}; the API is under /v1 "
+                        f"(docs/openapi.yaml)")
+    if e.status == 405:
+        return MethodNotAllowed(f"{request.method} is not allowed on {request.path[:200]}")
+    if e.status == 413:
+        return TooLarge(f"the body exceeds the limit of {limit} bytes (max-message-bytes)")
+    return BadRequest(f"{e.status} {e.reason}")

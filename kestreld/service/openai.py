@@ -1,0 +1,401 @@
+"""OpenAI's API shapes <-> Kestrel's wire params and results (the HTTP API's translator).
+
+A request body of `POST /v1/chat/completions` or `/v1/completions` becomes the params map
+of the RPC `chat` or `generate` method (`chat_request`, `completion_request`), which the
+methods then validate exactly as they validate an RPC request: the same bounds, the same
+messages, the same engine path. A completion map (methods.completion_result) or a `token`
+payload (methods.token_payload) becomes OpenAI's response, chunk or usage here.
+
+So the two transports cannot drift apart: an option the RPC methods learn is passed
+through (presence_penalty, frequency_penalty, response_format, tools and tool_choice go
+to the RPC params by their OpenAI names; the RPC validation refuses them with a 400 until
+the engine supports them), and a field the completion map gains (`tool_calls`) comes back
+in OpenAI's shape.
+
+Pure functions of their arguments (no engine, no I/O): `token_bytes(id) -> bytes` is how
+logprobs name their tokens.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..errors import BadRequest, KestrelError
+from ..protocol import MAX_LOGPROBS
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+OWNED_BY = "kestrel"
+
+TokenBytes = Callable[[int], bytes]
+
+# OpenAI's sampling fields, and llama.cpp's extras, that map one to one onto the RPC options
+# of the same name
+_SAME_NAME = ("temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty", "ignore_eos")
+# Fields of the other branch (grammar, penalties, tools): passed through by name when set,
+# so the RPC validation decides (a clear 400 until the engine has them).
+_PASSED_THROUGH = ("presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True)
+class Translated:
+    """An OpenAI request as an RPC method and params map, and how to answer it."""
+    method: str                 # "chat" | "generate"
+    params: dict                # the RPC params map (validated by methods.validate)
+    stream: bool
+    include_usage: bool         # stream_options.include_usage: a last chunk with usage
+    top_logprobs: Optional[int]  # None: no logprobs; else how many alternatives to show
+
+
+# ---------------------------------------------------------------- requests
+
+def _check_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_model(body: dict, model_id: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise BadRequest(f"model must be a string, got {type(model).__name__}", param="model")
+    if model != model_id:
+        raise BadRequest(f"model {model[:100]!r} is not served here: this daemon serves "
+                         f"{model_id!r} (GET /v1/models)", param="model")
+
+
+def _unsupported(body: dict, name: str, default_ok) -> None:
+    """A field Kestrel does not implement: only its neutral value(s) are accepted."""
+    value = body.get(name)
+    if value is not None and not default_ok(value):
+        raise BadRequest(f"{name}={str(value)[:60]} is not supported", param=name)
+
+
+def _common(body: dict, model_id: str) -> tuple[dict, bool, bool]:
+    """The fields shared by both endpoints -> (RPC options, stream, include_usage)."""
+    _check_model(body, model_id)
+    _unsupported(body, "n", lambda v: v == 1 and not isinstance(v, bool))
+    _unsupported(body, "logit_bias", lambda v: v == {})
+    options = {k: body[k] for k in _SAME_NAME + _PASSED_THROUGH if body.get(k) is not None}
+    for name in _PASSED_THROUGH:
+        if options.get(name) == 0:
+            del options[name]          # OpenAI's neutral value: nothing to ask of the engine
+    limit = body.get("max_completion_tokens")
+    if limit is None:
+        limit = body.get("max_tokens")
+    if limit is not None:
+        options["max_tokens"] = limit
+    stop = body.get("stop")
+    if stop is not None:
+        options["stop"] = [stop] if isinstance(stop, str) else stop
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, got {str(stream)[:60]}", param="stream")
+    include_usage = False
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise BadRequest("stream_options must be an object", param="stream_options")
+        include_usage = stream_options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise BadRequest("stream_options.include_usage must be true or false",
+                             param="stream_options")
+    return options, stream, stream and include_usage
+
+
+def _top_logprobs(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise BadRequest(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {str(value)[:60]}",
+                         param=name)
+    return value
+
+
+def _image(part: dict, where: str) -> dict:
+    """An `image_url` part with a data: URI -> the RPC image part (its bytes)."""
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str):
+        raise BadRequest(f"{where}.image_url must be {{\"url\": \"data:...\"}}", param=where)
+    head, comma, data = url.partition(",")
+    if not (url.startswith("data:") and comma and head.endswith(";base64")):
+        raise BadRequest(f"{where}: only base64 data: URIs are accepted "
+                         f"(data:image/png;base64,...); the daemon fetches no URL", param=where)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"{where}: the data: URI is not valid base64", param=where) from None
+    return {"type": "image", "data": raw}
+
+
+def _content(content, where: str):
+    """A message's content: a string, null (an assistant turn of tool calls) or parts."""
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        return content                 # a string, or a wrong type the RPC check names
+    out = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            out.append({"type": "text", "text": part.get("text")})
+        elif kind == "image_url":
+            out.append(_image(part, at))
+        else:
+            raise BadRequest(f"{at}: a content part has type \"text\" or \"image_url\", "
+                             f"got {str(kind)[:40]!r}", param=at)
+    return out
+
+
+def _messages(messages) -> list:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty array of {role, content} objects",
+                         param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object", param="messages")
+        role = "system" if m.get("role") == "developer" else m.get("role")   # OpenAI's newer name
+        message = {"role": role, "content": _content(m.get("content"), f"messages[{i}].content")}
+        # tool turns: handed to the RPC chat as they are (refused there until it has tools)
+        for key in ("tool_calls", "tool_call_id"):
+            if m.get(key) is not None:
+                message[key] = m[key]
+        out.append(message)
+    return out
+
+
+def chat_request(body, model_id: str) -> Translated:
+    """A chat completions request -> the RPC `chat` params (BadRequest naming the field)."""
+    body = _check_object(body)
+    options, stream, include_usage = _common(body, model_id)
+    params = {"messages": _messages(body.get("messages")), "split_reasoning": True,
+              "stream": stream, **options}
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"}:
+            raise BadRequest("chat_template_kwargs: only enable_thinking is supported",
+                             param="chat_template_kwargs")
+        if "enable_thinking" in kwargs:
+            params["enable_thinking"] = kwargs["enable_thinking"]
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        params["response_format"] = response_format
+    if body.get("tools"):
+        params["tools"] = body["tools"]
+        if body.get("tool_choice") is not None:
+            params["tool_choice"] = body["tool_choice"]
+    top = None
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise BadRequest("logprobs must be true or false", param="logprobs")
+    if logprobs:
+        top = _top_logprobs(body.get("top_logprobs") or 0, "top_logprobs")
+        params["logprobs"] = max(top, 1)
+    elif body.get("top_logprobs"):
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    return Translated("chat", params, stream, include_usage, top)
+
+
+def completion_request(body, model_id: str) -> Translated:
+    """A (legacy) completions request -> the RPC `generate` params."""
+    body = _check_object(body)
+    options, stream, include_usage = _common(body, model_id)
+    _unsupported(body, "echo", lambda v: v is False)
+    _unsupported(body, "suffix", lambda v: v == "")
+    _unsupported(body, "best_of", lambda v: v == 1 and not isinstance(v, bool))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]             # a batch of one
+    if isinstance(prompt, str):
+        params = {"prompt": prompt}
+    elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
+                                                     for i in prompt):
+        params = {"ids": prompt}
+    else:
+        raise BadRequest("prompt must be a string or an array of token ids (one prompt: "
+                         "batches are not supported)", param="prompt")
+    params.update(stream=stream, **options)
+    top = None
+    if body.get("logprobs") is not None:
+        top = _top_logprobs(body["logprobs"], "logprobs")
+        if top:
+            params["logprobs"] = top
+        else:
+            top = None
+    return Translated("generate", params, stream, include_usage, top)
+
+
+# ---------------------------------------------------------------- responses
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(result: dict) -> dict:
+    """OpenAI's usage of a completion map; cached_tokens is the KV reused (prefix rule)."""
+    u = result["usage"]
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+
+def _token(token_id: int, logprob: float, token_bytes: TokenBytes) -> dict:
+    raw = token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+            "bytes": list(raw)}
+
+
+def chat_logprobs(entries: Optional[list], top: Optional[int], token_bytes: TokenBytes):
+    """OpenAI's choice.logprobs of Kestrel's entries ({"id", "logprob", "top"})."""
+    if top is None or entries is None:
+        return None
+    content = []
+    for e in entries:
+        item = _token(e["id"], e["logprob"], token_bytes)
+        item["top_logprobs"] = [_token(i, lp, token_bytes) for i, lp in e["top"][:top]]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: Optional[list], top: Optional[int], token_bytes: TokenBytes,
+                        offset: int = 0):
+    """The legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset);
+    `offset`: characters of text before these tokens."""
+    if top is None or entries is None:
+        return None
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        text = token_bytes(e["id"]).decode("utf-8", errors="replace")
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e["logprob"])
+        out["top_logprobs"].append({token_bytes(i).decode("utf-8", errors="replace"): lp
+                                    for i, lp in e["top"][:top]})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _tool_calls(calls: list, streamed: bool = False) -> list:
+    out = []
+    for n, call in enumerate(calls):
+        item = {"id": call["id"], "type": "function",
+                "function": {"name": call["name"], "arguments": call["arguments"]}}
+        if streamed:
+            item["index"] = n
+        out.append(item)
+    return out
+
+
+class Answer:
+    """One HTTP answer's shapes: its id, creation time and model, and how it shows logprobs."""
+
+    def __init__(self, req: Translated, model_id: str, token_bytes: TokenBytes, created: int):
+        self.req = req
+        self.chat = req.method == "chat"
+        self.id = new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = created
+        self.model = model_id
+        self.token_bytes = token_bytes
+        self.text_chars = 0              # completions' text_offset across chunks
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def response(self, result: dict) -> dict:
+        """The whole response of a completion map."""
+        top, lps = self.req.top_logprobs, result.get("logprobs")
+        if self.chat:
+            message = {"role": "assistant", "content": result["text"]}
+            if result.get("reasoning"):
+                message["reasoning_content"] = result["reasoning"]
+            if result.get("tool_calls"):
+                message["tool_calls"] = _tool_calls(result["tool_calls"])
+            choice = {"index": 0, "message": message,
+                      "logprobs": chat_logprobs(lps, top, self.token_bytes)}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": result["text"],
+                      "logprobs": completion_logprobs(lps, top, self.token_bytes)}
+            obj = "text_completion"
+        choice["finish_reason"] = result["finish_reason"]
+        out = self._envelope(obj, [choice])
+        out["usage"] = usage(result)
+        out["timings"] = result["timings"]     # Kestrel's own figures, as llama.cpp adds its
+        return out
+
+    def _chunk(self, fields: dict, logprobs, finish_reason: Optional[str] = None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": fields, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+            out = self._envelope("chat.completion.chunk", [choice])
+        else:
+            choice = {"index": 0, "text": fields.get("content", ""), "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+            out = self._envelope("text_completion", [choice])
+        if self.req.include_usage:
+            out["usage"] = None
+        return out
+
+    def first_chunk(self) -> Optional[dict]:
+        """The chat stream's opening chunk (the role); None for completions."""
+        return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
+
+    def token_chunk(self, payload: dict) -> Optional[dict]:
+        """The chunk of a `token` payload, or None when it carries nothing to show."""
+        fields = {}
+        if payload["text"]:
+            fields["content"] = payload["text"]
+        if payload.get("reasoning") and self.chat:
+            fields["reasoning_content"] = payload["reasoning"]
+        if payload.get("tool_calls") and self.chat:
+            fields["tool_calls"] = _tool_calls(payload["tool_calls"], streamed=True)
+        top, lps = self.req.top_logprobs, payload.get("logprobs")
+        if self.chat:
+            logprobs = chat_logprobs(lps, top, self.token_bytes)
+        else:
+            logprobs = completion_logprobs(lps, top, self.token_bytes, self.text_chars)
+            self.text_chars += len(payload["text"])
+        if not fields and logprobs is None:
+            return None
+        return self._chunk(fields, logprobs)
+
+    def last_chunks(self, result: dict) -> list:
+        """The finish_reason chunk, and the usage chunk when stream_options asked for it."""
+        out = [self._chunk({}, None, result["finish_reason"])]
+        if self.req.include_usage:
+            final = self._envelope(out[0]["object"], [])
+            final["usage"] = usage(result)
+            out.append(final)
+        return out
+
+
+def models(model_id: str, created: int) -> dict:
+    """`GET /v1/models`: the one model this daemon serves."""
+    return {"object": "list", "data": [model(model_id, created)]}
+
+
+def model(model_id: str, created: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": OWNED_BY}
+
+
+# OpenAI's error types by HTTP status
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error",
+                499: "invalid_request_error", 503: "unavailable_error"}
+
+
+def error_body(error: KestrelError) -> dict:
+    """`{"error": {message, type, param, code}}` (OpenAI's shape); code is Kestrel's."""
+    return {"error": {"message": str(error),
+                      "type": _ERROR_TYPES.get(error.http_status, "server_error"),
+                      "param": error.param, "code": error.code}}
