@@ -212,13 +212,13 @@ def _vm_data(pid: int) -> int:
 
 def test_engine_out_of_memory_mid_request_is_internal_and_the_arena_stays_sound(tmp_path):
     """A real failure inside the engine, provoked from outside: RLIMIT_DATA of the running
-    daemon is lowered to what it uses now, so the first log-probability buffers (384 KiB
-    float64 over the vocabulary, after the prefill) cannot be allocated: numpy raises
-    MemoryError in the engine thread. (glibc's mmap threshold is fixed at 128 KiB in that
-    daemon, so such a buffer always needs new memory instead of a free chunk of the heap,
-    whose size depends on everything allocated before.) The request gets `internal`, the
-    daemon stays up, and the next request, which reuses the failed one's KV prefix, equals a
-    fresh daemon's."""
+    daemon is lowered to what it uses now + 320 KiB, so the first log-probability buffers
+    (384 KiB over the vocabulary, after the prefill) cannot be allocated: numpy raises
+    MemoryError in the engine thread. glibc's mmap threshold is fixed at 128 KiB in that
+    daemon, so every such buffer needs new memory (not a free chunk of the heap, whose size
+    depends on everything allocated before), while the event loop's 256 KiB socket reads
+    still fit. The request gets `internal`, the daemon stays up, and the next request, which
+    reuses the failed one's KV prefix, equals a fresh daemon's."""
     args = ("--max-seq", "256")
     with Daemon(tmp_path / "a.sock", *args) as fresh, fresh.client() as c:
         ids = c.tokenize(STORY)[:40]
@@ -227,7 +227,7 @@ def test_engine_out_of_memory_mid_request_is_internal_and_the_arena_stays_sound(
             d.client() as c:
         c.generate(ids=[42, 43, 44], max_tokens=2)         # greedy, no logprobs: small buffers
         limits = resource.prlimit(d.pid, resource.RLIMIT_DATA)
-        resource.prlimit(d.pid, resource.RLIMIT_DATA, (_vm_data(d.pid) + (64 << 10), limits[1]))
+        resource.prlimit(d.pid, resource.RLIMIT_DATA, (_vm_data(d.pid) + (320 << 10), limits[1]))
         try:
             with pytest.raises(KestrelClientError) as e:
                 c.generate(ids=ids, max_tokens=4, logprobs=5)

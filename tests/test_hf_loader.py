@@ -46,7 +46,7 @@ def test_qwen3_bf16(tmp_path):
 
 
 def test_llama_f16_tied_sharded(tmp_path):
-    spec = Spec(arch="llama", head_dim=16, tied=True, rope_theta=10000.0)
+    spec = Spec(arch="llama", hidden=128, head_dim=32, tied=True, rope_theta=10000.0)
     w = random_weights(spec)
     write_hf_dir(str(tmp_path), spec, w, dtype="F16", shards=3)
     m = load_model(str(tmp_path))
