@@ -245,8 +245,11 @@ class Repl:
                 if not text.strip():
                     continue
                 if not literal and text.startswith("/"):
-                    if self.command(text) == "bye":
-                        return 0
+                    try:
+                        if self.command(text) == "bye":
+                            return 0
+                    except KeyboardInterrupt:
+                        say("(interrupted)")
                     continue
                 self.turn(text)
         finally:
