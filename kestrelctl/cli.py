@@ -1,15 +1,21 @@
 """kestrelctl: talk to kestreld from the shell.
 
     kestrelctl [--socket PATH] generate [TEXT] [--max-tokens N] [--temperature T] [--stats]
-    kestrelctl chat [-m TEXT] [--system TEXT] [--image FILE ...]
-                                                   interactive (history kept: prefix-cache hits);
-                                                   images go with the first user message
+    kestrelctl chat [-m TEXT] [--system TEXT] [--think] [--hide-thinking] [--image FILE ...]
+                                        a conversation (kestrelctl/repl.py: readline, history,
+                                        /commands; each turn reuses the cached prefix), or
+                                        one turn with -m; images go with the first message
+    kestrelctl show [--json]            the loaded model: architecture, size, weight types,
+                                        context, chat template, file, KV arena
     kestrelctl status [--json] | tokenize [TEXT] | ping
+    kestrelctl completion bash|zsh      a shell completion script (README: how to install)
+    kestrelctl --version
 
-The socket is --socket, else $KESTREL_SOCKET, else the default path. Text is streamed to
-stdout; statistics and the prefill progress bar (only when stderr is a terminal) go to
-stderr. The exit status says what went wrong: one per error code (kestreld.errors.EXIT_STATUS,
-also in docs/protocol.md).
+The socket is --socket, else $KESTREL_SOCKET, else the default path. stdout carries the
+model's text only; statistics, notes and the prefill progress bar (only when stderr is a
+terminal) go to stderr, and so does the thinking when stdout is not a terminal
+(kestrelctl/display.py). The exit status says what went wrong: one per error code
+(kestreld.errors.EXIT_STATUS, also in docs/protocol.md).
 """
 from __future__ import annotations
 
@@ -19,99 +25,17 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from kestreld.errors import EXIT_INTERRUPTED, EXIT_STATUS
+import shtab
 
-from .client import Client, KestrelClientError, Progress, Result, Token
+from kestreld import __version__
+from kestreld.errors import EXIT_INTERRUPTED, EXIT_STATUS, KestrelError
+from kestreld.protocol import PROTOCOL_VERSION
 
-BAR_WIDTH = 30
-
-
-# ---------------------------------------------------------------- output helpers
-
-class ProgressBar:
-    """A one-line prefill bar on stderr, drawn only when stderr is a terminal."""
-
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
-        self.enabled = stream.isatty()
-        self.shown = False
-
-    def update(self, p: Progress) -> None:
-        if not self.enabled:
-            return
-        if p.phase == "queued":
-            line = f"queued: {p.total - p.done} request(s) ahead"
-        else:
-            filled = BAR_WIDTH * p.done // max(p.total, 1)
-            line = f"prefill [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {p.done}/{p.total}"
-        self.stream.write("\r\033[K" + line)
-        self.stream.flush()
-        self.shown = True
-
-    def clear(self) -> None:
-        if self.shown:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-            self.shown = False
-
-
-def stats_line(r: Result) -> str:
-    u, t = r.usage, r.timings
-    return (f"prompt {u['prompt_tokens']} tokens (cached {u['cached_tokens']}), prefill "
-            f"{u['prefill_tokens']} in {t['prefill_ms']:.0f} ms ({t['prefill_tok_s']:.1f} tok/s), "
-            f"{u['completion_tokens']} tokens in {t['decode_ms']:.0f} ms "
-            f"({t['decode_tok_s']:.1f} tok/s), ttft {t['ttft_ms']:.0f} ms, "
-            f"queue {t['queue_ms']:.0f} ms, finish {r.finish_reason}")
-
-
-def stream_out(stream, out=sys.stdout) -> Result:
-    """Print a stream's tokens as they come, drawing the progress bar; return the Result.
-    Ctrl-C cancels the request before it propagates."""
-    bar = ProgressBar()
-    try:
-        for ev in stream:
-            if isinstance(ev, Progress):
-                bar.update(ev)
-                continue
-            bar.clear()
-            if isinstance(ev, Token):
-                out.write(ev.text)
-                out.flush()
-            else:
-                return ev
-    except KeyboardInterrupt:
-        bar.clear()
-        stream.cancel()
-        raise
-    raise KestrelClientError("internal", "the stream ended without a result")
-
-
-def format_status(s: dict) -> str:
-    """The status map as a readable table."""
-    m, p = s["model"], s["prefix"]
-    up = int(s["uptime_s"])
-    rows = [
-        ("daemon", f"kestreld {s['version']} (protocol {s['protocol']}), pid {s['pid']}, "
-                   f"up {up // 3600}h{up % 3600 // 60:02d}m{up % 60:02d}s"),
-        ("model", f"{m['name']} ({m['arch']}, {m['n_layers']} layers, "
-                  f"{m['n_params'] / 1e6:.0f}M params, weights {m['weights']})"),
-        ("path", m["path"]),
-        ("kv arena", f"max_seq {s['max_seq']}, kv_bs {s['kv_bs']}, {s['kv_dtype']}, "
-                     f"{s['kv_bytes_per_token_layer']} B/token/layer, "
-                     f"{s['kv_arena_bytes'] / 1e6:.1f} MB"),
-        ("cache", f"{s['cache_len']} tokens valid"),
-        ("prefix", f"{'on' if p['enabled'] else 'off'}, min {p['min_match']}, hits {p['hits']}, "
-                   f"misses {p['misses']}, {p['tokens_reused']} tokens reused"),
-        ("requests", f"busy {'yes' if s['busy'] else 'no'}, active {s['active']}, "
-                     f"queued {s['queued']}, total {s['total_requests']}"),
-        ("memory", f"rss {s['rss_mb']:.0f} MB, available {s['mem_avail_mb']:.0f} MB"),
-        ("threads", str(s["threads"])),
-    ]
-    d = s.get("disk_kv") or {}
-    if d.get("enabled"):
-        rows.insert(6, ("disk kv", f"{d['files']} files, {d['bytes'] / 1e6:.1f} MB, hits {d['hits']}, "
-                                   f"misses {d['misses']}"))
-    return "\n".join(f"{k:<9} {v}" for k, v in rows)
+from .client import Client, KestrelClientError
+from .conversation import Conversation, read_image
+from .display import AnswerPrinter, play
+from .format import format_show, format_status, show_map, stats_line
+from .repl import LineReader, Repl, Session, Settings, history_path, say
 
 
 # ---------------------------------------------------------------- commands
@@ -127,72 +51,40 @@ def _options(args) -> dict:
     return opts
 
 
+def _exit_status(interrupted: bool, result) -> int:
+    """EXIT_INTERRUPTED if Ctrl-C cut the answer short, else 0."""
+    cut = result is None or result.finish_reason == "cancelled"
+    return EXIT_INTERRUPTED if interrupted and cut else 0
+
+
 def cmd_generate(client: Client, args) -> int:
     text = args.text if args.text is not None else sys.stdin.read()
-    r = stream_out(client.stream_generate(prompt=text, progress=True, **_options(args)))
-    print()
-    if args.stats:
-        print(stats_line(r), file=sys.stderr)
-    return 0
-
-
-def _chat_turn(client: Client, history: list, args) -> None:
-    r = stream_out(client.stream_chat(history, progress=True, enable_thinking=args.think,
-                                      **_options(args)))
-    print()
-    history.append({"role": "assistant", "content": r.text})
-    if args.stats:
-        print(stats_line(r), file=sys.stderr)
-
-
-def _user_message(text: str, images: list) -> dict:
-    """A user message; with images, a list of image parts (their bytes) then the text."""
-    if not images:
-        return {"role": "user", "content": text}
-    return {"role": "user", "content": [{"type": "image", "data": data} for data in images]
-            + [{"type": "text", "text": text}]}
-
-
-def _read_images(paths) -> list:
-    out = []
-    for path in paths or ():
-        try:
-            with open(path, "rb") as f:
-                out.append(f.read())
-        except OSError as e:
-            raise KestrelClientError("bad_request", f"cannot read image {path}: {e.strerror}") from None
-    return out
+    result, interrupted = play(client.stream_generate(prompt=text, progress=True, **_options(args)),
+                               AnswerPrinter(show_thinking=False))
+    if result is not None and args.stats:
+        say(stats_line(result))
+    return _exit_status(interrupted, result)
 
 
 def cmd_chat(client: Client, args) -> int:
-    """One turn with -m, else a conversation read line by line until EOF; the history is
-    sent again each turn, so the daemon reuses its KV for everything said before.
-    --image files are sent (as bytes) with the first user message."""
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    images = _read_images(args.image)
+    """One turn with -m, else the conversation loop (kestrelctl/repl.py); --image files go
+    with the first user message."""
+    settings = Settings(options=_options(args), think=args.think,
+                        show_thinking=not args.hide_thinking, stats=args.stats)
+    session = Session(client, settings, Conversation(args.system),
+                      [read_image(path) for path in args.image or ()])
     if args.message is not None:
-        history.append(_user_message(args.message, images))
-        _chat_turn(client, history, args)
-        return 0
+        result, interrupted = session.ask(args.message)
+        return _exit_status(interrupted, result)
     interactive = sys.stdin.isatty()
-    while True:
-        try:
-            line = input("> ") if interactive else sys.stdin.readline()
-        except EOFError:
-            line = ""
-        if not line:
-            return 0
-        if not line.strip():
-            continue
-        history.append(_user_message(line.rstrip("\n"), images))
-        try:
-            _chat_turn(client, history, args)
-            images = []
-        except KeyboardInterrupt:
-            if not interactive:
-                raise
-            history.pop()               # the turn was cancelled: forget the question
-            print("\n(cancelled)", file=sys.stderr)
+    reader = LineReader(interactive, history_path(os.environ) if interactive else None)
+    return Repl(session, reader).run()
+
+
+def cmd_show(client: Client, args) -> int:
+    s = client.status()
+    print(json.dumps(show_map(s), indent=2) if args.json else format_show(s))
+    return 0
 
 
 def cmd_status(client: Client, args) -> int:
@@ -211,6 +103,12 @@ def cmd_tokenize(client: Client, args) -> int:
 def cmd_ping(client: Client, args) -> int:
     r = client.ping()
     print(f"ok (pid {r['pid']})")
+    return 0
+
+
+def cmd_completion(args) -> int:
+    """Print the completion script for bash or zsh, generated from the argparse tree."""
+    print(shtab.complete(parser(), shell=args.shell))
     return 0
 
 
@@ -234,21 +132,30 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kestrelctl", description="Client for the kestreld daemon",
                                 epilog="exit status: " + ", ".join(
                                     f"{v} {k}" for k, v in EXIT_STATUS.items()))
+    p.add_argument("--version", action="version",
+                   version=f"kestrelctl {__version__} (protocol {PROTOCOL_VERSION})")
     p.add_argument("--socket", help="kestreld socket (default $KESTREL_SOCKET or "
-                                    "/run/kestrel/kestreld.sock)")
+                                    "/run/kestrel/kestreld.sock)").complete = shtab.FILE
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete TEXT (or stdin), streamed")
     g.add_argument("text", nargs="?", help="the prompt (default: read stdin)")
     _sampling_args(g)
     g.set_defaults(run=cmd_generate)
-    c = sub.add_parser("chat", help="chat with the model (interactive, or one turn with -m)")
+    c = sub.add_parser("chat", help="chat with the model (a conversation, or one turn with -m)")
     c.add_argument("-m", "--message", help="one user message: answer it and exit")
     c.add_argument("--system", help="system prompt")
     c.add_argument("--think", action="store_true", help="enable_thinking (Qwen3)")
+    c.add_argument("--hide-thinking", action="store_true",
+                   help="do not show the thinking (shown dimmed on a terminal, else on stderr)")
     c.add_argument("--image", action="append", metavar="FILE",
-                   help="an image for the first user message (repeatable; Qwen3-VL)")
+                   help="an image for the first user message (repeatable; Qwen3-VL)"
+                   ).complete = shtab.FILE
     _sampling_args(c)
     c.set_defaults(run=cmd_chat)
+    w = sub.add_parser("show", help="the loaded model: architecture, size, weight types, "
+                                    "context, chat template, file, KV arena")
+    w.add_argument("--json", action="store_true", help="the status map's model and arena keys")
+    w.set_defaults(run=cmd_show)
     s = sub.add_parser("status", help="what the daemon runs and how it is doing")
     s.add_argument("--json", action="store_true", help="the raw status map as JSON")
     s.set_defaults(run=cmd_status)
@@ -258,6 +165,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print a JSON list")
     t.set_defaults(run=cmd_tokenize)
     sub.add_parser("ping", help="is the daemon there?").set_defaults(run=cmd_ping)
+    k = sub.add_parser("completion", help="print a completion script for bash or zsh")
+    k.add_argument("shell", choices=("bash", "zsh"))
+    k.set_defaults(offline=cmd_completion)
     return p
 
 
@@ -265,11 +175,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     path = args.socket or os.environ.get("KESTREL_SOCKET") or None
     try:
+        if hasattr(args, "offline"):    # needs no daemon
+            return args.offline(args)
         with Client(path) as client:
             return args.run(client, args)
     except KestrelClientError as e:
         print(f"kestrelctl: {e}", file=sys.stderr)
         return EXIT_STATUS.get(e.code, 1)
+    except KestrelError as e:           # refused here before asking the daemon (a bad file)
+        print(f"kestrelctl: {e.code}: {e}", file=sys.stderr)
+        return e.exit_status
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED

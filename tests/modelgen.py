@@ -319,7 +319,7 @@ def gguf_tensors(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, n
 
 
 def write_gguf(spec: ModelSpec, weights: dict[str, np.ndarray], tok: GenTokenizer,
-               path: Path, tensor_type: str) -> None:
+               path: Path, tensor_type: str, chat_template: str = CHAT_TEMPLATE) -> None:
     """Write a GGUF file whose 2-D tensors are `tensor_type` ("f32" | "f16" | "q8_0")."""
     qtype, ftype = GGUF_TYPES[tensor_type]
     w = gguf.GGUFWriter(str(path), spec.arch)
@@ -347,7 +347,7 @@ def write_gguf(spec: ModelSpec, weights: dict[str, np.ndarray], tok: GenTokenize
     w.add_eos_token_id(tok.eos_id)
     w.add_pad_token_id(tok.pad_id)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(chat_template)
     for name, arr in gguf_tensors(spec, weights).items():
         if arr.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, arr.astype(np.float32))

@@ -1,17 +1,23 @@
 """kestrelctl: the CLI and the Python client library against the real daemon."""
 from __future__ import annotations
 
-import io
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import time
 
+import pexpect
 import pytest
 
 from daemon import REPO, Daemon, daemon_env
+from kestreld import __version__
+from kestreld.errors import EXIT_STATUS
 from kestrelctl import Client, KestrelClientError, Progress, Result, Token
-from kestrelctl.cli import EXIT_STATUS, ProgressBar, format_status
+from kestrelctl.format import format_show, format_status
+from kestrelctl.repl import history_path
 
 PROMPT = "The capital of France is"
 
@@ -64,9 +70,9 @@ def test_chat_one_shot_and_multi_turn_history_hits_the_cache(daemon, client):
     out = ctl("chat", "--system", "Be brief.", "--max-tokens", "6", "--stats",
               socket=daemon.socket, stdin="Hi!\nAnd again?\n")
     assert out.returncode == 0 and out.stdout.startswith(want + "\n")
-    cached = [int(line.split("(cached ")[1].split(")")[0])
-              for line in out.stderr.splitlines() if "(cached " in line]
+    cached = [int(n) for n in re.findall(r"\(cached (\d+)", out.stderr)]
     assert len(cached) == 2 and cached[1] >= 16
+    assert out.stdout.count("\n") == 2 and "(cached" not in out.stdout
 
 
 def test_status_json_and_table(daemon):
@@ -79,6 +85,73 @@ def test_status_json_and_table(daemon):
                       "threads"]
     assert f"pid {daemon.pid}" in table and "max_seq 512, kv_bs 32, q8, 408 B/token/layer" in table
     assert format_status(s).splitlines()[1:3] == table.splitlines()[1:3]
+
+
+def test_show_table_and_json(daemon):
+    """`show` reports the status map's model and arena facts; each figure checked against
+    the file itself."""
+    import gguf
+    out = ctl("show", "--json", socket=daemon.socket)
+    shown = json.loads(out.stdout)
+    r = gguf.GGUFReader(daemon.model)
+    matrices = sum(int(t.n_elements) for t in r.tensors if len(t.shape) == 2)
+    assert matrices / shown["model"]["n_params"] > 0.99          # norm vectors are the rest
+    assert shown["model"]["weight_types"] == {"q8_0": 1.0}
+    assert shown["model"]["context_length"] == r.fields["llama.context_length"].contents() == 8192
+    assert shown["model"]["file_bytes"] == os.path.getsize(daemon.model)
+    assert shown["model"]["chat_template_source"] == "gguf" and shown["model"]["vision"] is False
+    assert shown["kv_arena_bytes"] == 512 * 30 * 408 and shown["max_seq"] == 512
+    s = json.loads(ctl("status", "--json", socket=daemon.socket).stdout)
+    assert shown == {"model": s["model"], **{k: s[k] for k in (
+        "max_seq", "kv_bs", "kv_dtype", "kv_bytes_per_token_layer", "kv_arena_bytes")}}
+    table = ctl("show", socket=daemon.socket).stdout
+    assert table == format_show(s) + "\n"
+    rows = dict(line.split(None, 1) if not line.startswith(("weight", "chat", "kv "))
+                else (line[:14].strip(), line[15:]) for line in table.splitlines())
+    assert rows["parameters"] == "134.5M" and rows["layers"] == "30"
+    assert rows["context"] == "8192 tokens trained; the KV arena holds 512 (max_seq)"
+    assert rows["weight types"] == "q8_0 100%" and rows["chat template"] == "gguf"
+    assert rows["file"] == f"{daemon.model}, {os.path.getsize(daemon.model) / 1e6:.1f} MB"
+    assert rows["kv arena"] == "6.3 MB: 512 tokens x 30 layers x 408 B (q8)"
+
+
+def test_version_and_completion_need_no_daemon(tmp_path):
+    out = ctl("--version", socket=str(tmp_path / "none.sock"))
+    assert (out.returncode, out.stdout) == (0, f"kestrelctl {__version__} (protocol 1)\n")
+    bash = ctl("completion", "bash", socket=str(tmp_path / "none.sock"))
+    assert bash.returncode == 0 and "complete -o bashdefault -F _shtab_kestrelctl kestrelctl" in bash.stdout
+    zsh = ctl("completion", "zsh", socket=str(tmp_path / "none.sock"))
+    assert zsh.returncode == 0 and zsh.stdout.startswith("#compdef kestrelctl\n")
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_completion_in_a_real_shell(shell, tmp_path):
+    """The generated script, installed as the README says, completes at Tab in the shell."""
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} is not installed")
+    script = ctl("completion", shell).stdout
+    if shell == "bash":
+        (tmp_path / "kestrelctl.bash").write_text(script)
+        argv, setup = ["--norc", "--noprofile", "-i"], f"source {tmp_path / 'kestrelctl.bash'}"
+    else:
+        (tmp_path / "_kestrelctl").write_text(script)
+        argv = ["-f", "-i"]
+        setup = f"fpath=({tmp_path} $fpath); autoload -Uz compinit; compinit -u"
+    sh = pexpect.spawn(shell, argv, env={"PATH": os.defpath, "TERM": "xterm", "HOME": str(tmp_path)},
+                       encoding="utf-8", dimensions=(24, 200), timeout=30)
+    sh.send(f"{setup}; PS1='ready> '\r")
+    sh.expect_exact("ready> ")
+    sh.send("kestrelctl sh\t")
+    sh.expect_exact("kestrelctl show")
+    sh.send("\x15kestrelctl chat --hide-t\t")            # Ctrl-U, then an option of chat
+    sh.expect_exact("--hide-thinking")
+    sh.send("\x15exit\r")
+    sh.expect(pexpect.EOF)
+
+
+def test_history_path_follows_xdg():
+    assert history_path({"XDG_STATE_HOME": "/s"}) == "/s/kestrel/chat_history"
+    assert history_path({}) == os.path.expanduser("~/.local/state/kestrel/chat_history")
 
 
 def test_tokenize(daemon, client):
@@ -96,20 +169,6 @@ def test_exit_statuses(daemon, tmp_path):
     out = ctl("generate", "word " * 600, socket=daemon.socket)
     assert out.returncode == EXIT_STATUS["prompt_too_long"] == 5
     assert len(set(EXIT_STATUS.values())) == len(EXIT_STATUS)
-
-
-def test_progress_bar_draws_only_on_a_tty():
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-    tty = Tty()
-    bar = ProgressBar(tty)
-    bar.update(Progress("prefill", 15, 30))
-    bar.clear()
-    assert tty.getvalue() == "\r\033[K" + "prefill [" + "#" * 15 + "." * 15 + "] 15/30" + "\r\033[K"
-    plain = io.StringIO()
-    ProgressBar(plain).update(Progress("prefill", 1, 2))
-    assert plain.getvalue() == ""
 
 
 # ---------------------------------------------------------------- the library

@@ -273,17 +273,6 @@ def test_protocol_image_parts():
             {"type": "image", "data": b"x"}] * 17}]}], 100)
 
 
-def test_kestrelctl_sends_image_bytes(tmp_path):
-    from kestrelctl.cli import _read_images, _user_message, parser
-    f = tmp_path / "a.png"
-    f.write_bytes(b"\x89PNG-bytes")
-    args = parser().parse_args(["chat", "-m", "what is this?", "--image", str(f)])
-    msg = _user_message(args.message, _read_images(args.image))
-    assert msg == {"role": "user", "content": [{"type": "image", "data": b"\x89PNG-bytes"},
-                                               {"type": "text", "text": "what is this?"}]}
-    assert validate_params("chat", [{"messages": [msg]}], 100).messages[0]["content"][0]["data"]
-
-
 # ---------------------------------------------------------------- through the daemon
 
 def test_chat_with_an_image_through_the_daemon(vl, tmp_path):

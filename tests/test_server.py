@@ -110,8 +110,9 @@ def meta(daemon):
     r = gguf.GGUFReader(daemon.model)
     f = {k: r.fields[k].contents() for k in ("general.name", "llama.block_count",
                                              "llama.embedding_length", "llama.attention.head_count",
-                                             "llama.attention.head_count_kv")}
+                                             "llama.attention.head_count_kv", "llama.context_length")}
     return {"name": f["general.name"], "n_layers": f["llama.block_count"],
+            "context_length": f["llama.context_length"],
             "n_kv_heads": f["llama.attention.head_count_kv"],
             "head_dim": f["llama.embedding_length"] // f["llama.attention.head_count"],
             "n_params": sum(int(t.n_elements) for t in r.tensors),
@@ -128,7 +129,10 @@ def test_ping_and_status_fields(daemon, client, meta):
     assert abs(s["started_at"] + s["uptime_s"] - now) < 1
     assert s["model"] == {"path": daemon.model, "arch": "llama", "name": meta["name"],
                           "n_params": meta["n_params"], "n_layers": meta["n_layers"],
-                          "weights": "q8_0", "source_dtype": "q8_0"}
+                          "context_length": meta["context_length"],
+                          "weights": "q8_0", "source_dtype": "q8_0", "weight_types": {"q8_0": 1.0},
+                          "file_bytes": os.path.getsize(daemon.model),
+                          "chat_template_source": "gguf", "vision": False}
     assert (s["max_seq"], s["kv_bs"], s["kv_dtype"], s["threads"]) == (512, 32, "q8", 1)
     assert s["kv_bytes_per_token_layer"] == per_token_layer == 408
     assert s["kv_arena_bytes"] == per_token_layer * meta["n_layers"] * 512

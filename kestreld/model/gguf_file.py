@@ -228,6 +228,7 @@ class GGUFSource(GGUFFile):
         except Exception as e:  # tokenizers raises bare Exceptions on inconsistent vocabularies
             raise ModelLoadError(f"{path}: bad tokenizer metadata: {type(e).__name__}: {e}") from None
         self.chat_template = self.meta("tokenizer.chat_template", None)
+        self.chat_template_source = "gguf" if self.chat_template else None
         self.source_dtype = self._dominant_type()
         self.keepalive = [self._reader]  # the memory map the Q8_0 views point into
 

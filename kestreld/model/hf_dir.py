@@ -142,7 +142,7 @@ class HFSource:
         self._tensors = self._open_weights()
         self.config = self._read_config(hf)
         self.tokenizer = Tokenizer.from_hf_dir(path)
-        self.chat_template = self._read_chat_template()
+        self.chat_template, self.chat_template_source = self._read_chat_template()
         counts = Counter()
         for t in self._tensors.values():
             counts[t.dtype.lower()] += int(np.prod(t.shape))
@@ -178,20 +178,23 @@ class HFSource:
             tensors.update(found)
         return tensors
 
-    def _read_chat_template(self) -> Optional[str]:
-        """chat_template.jinja if present, else tokenizer_config.json's chat_template."""
+    def _read_chat_template(self) -> tuple[Optional[str], Optional[str]]:
+        """(template, the file it came from): chat_template.jinja if present, else
+        tokenizer_config.json's chat_template; (None, None) without one."""
         jinja_file = os.path.join(self.path, "chat_template.jinja")
         if os.path.exists(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
-                return f.read()
+                return f.read(), "chat_template.jinja"
         tok_config = os.path.join(self.path, "tokenizer_config.json")
         if not os.path.exists(tok_config):
-            return None
+            return None, None
         template = self._read_json(tok_config).get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        return template if isinstance(template, str) else None
+        if not isinstance(template, str):
+            return None, None
+        return template, "tokenizer_config.json"
 
     # ---- config -----------------------------------------------------------------------
 

@@ -31,6 +31,8 @@ class LoadedModel:
     weights: ModelWeights
     tokenizer: Tokenizer
     chat_template: Optional[str]  # Jinja source, from the file
+    chat_template_source: Optional[str]  # where it came from: "gguf", "tokenizer_config.json",
+                                         # "chat_template.jinja"; None: there is none
     source_format: str            # "gguf" | "hf"
     source_dtype: str             # what the file held, e.g. "q8_0", "q4_1", "bf16"
     keepalive: list = field(default_factory=list)  # memory maps the arrays view into
@@ -61,6 +63,7 @@ def load_model(path: str, cache_dir: Optional[str] = None,
         weights=_assemble(source, source.config),
         tokenizer=source.tokenizer,
         chat_template=source.chat_template,
+        chat_template_source=source.chat_template_source,
         source_format=source.source_format,
         source_dtype=source.source_dtype,
         keepalive=source.keepalive,

@@ -6,18 +6,67 @@ its lock) and psutil, never waiting for the engine thread.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from collections import Counter
+from typing import Optional
 
+import numpy as np
 import psutil
 
 from .. import __version__
 from .config import Config
+from ..model.weights import ModelWeights, Q8Experts, Q8Matrix
 from ..protocol import PROTOCOL_VERSION
+from ..text.chat import CHATML_FALLBACK
 
 # Every matrix is held as Q8_0 in memory whatever the file held (model/weights.py).
 WEIGHTS_IN_MEMORY = "q8_0"
 KV_DTYPE = "q8"
+_FLOAT_TYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}   # GGUF's names
+
+
+def _matrices(node):
+    """(matrix, its type name, its parameter count) for every weight matrix under a weights
+    dataclass; a matrix reachable twice (tied embeddings) is yielded twice."""
+    if isinstance(node, Q8Matrix):
+        yield node, WEIGHTS_IN_MEMORY, node.rows * node.cols
+    elif isinstance(node, Q8Experts):
+        yield node, WEIGHTS_IN_MEMORY, node.n_expert * node.rows * node.cols
+    elif isinstance(node, np.ndarray) and node.ndim == 2:     # the MoE routers, float32
+        yield node, _FLOAT_TYPES.get(node.dtype, str(node.dtype)), node.size
+    elif isinstance(node, list):
+        for item in node:
+            yield from _matrices(item)
+    elif dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            yield from _matrices(getattr(node, f.name))
+
+
+def weight_types(weights: ModelWeights) -> dict:
+    """Share of the language model's matrix parameters held in each type, e.g.
+    {"q8_0": 1.0} (norm vectors are not matrices; a tied output matrix counts once)."""
+    counts: Counter = Counter()
+    seen = set()
+    for m, kind, n in _matrices(weights):
+        if id(m) not in seen:
+            seen.add(id(m))
+            counts[kind] += n
+    total = sum(counts.values())
+    return {kind: round(n / total, 6) for kind, n in counts.most_common()}
+
+
+def path_bytes(path: str) -> Optional[int]:
+    """Size of a model file, or of the files directly inside a model directory; None if
+    it cannot be read."""
+    try:
+        if not os.path.isdir(path):
+            return os.path.getsize(path)
+        with os.scandir(path) as entries:
+            return sum(e.stat().st_size for e in entries if e.is_file())
+    except OSError:
+        return None
 
 
 class StatusReporter:
@@ -29,6 +78,17 @@ class StatusReporter:
         self._config = config
         self._process = psutil.Process(os.getpid())
         self.started_at = self._process.create_time()   # process start: uptime includes the load
+        model = engine.model
+        self._model = {          # fixed for the daemon's life: computed once
+            "path": model.path, "arch": model.config.arch, "name": model.config.name,
+            "n_params": model.config.n_params, "n_layers": model.config.n_layers,
+            "context_length": model.config.context_length,
+            "weights": WEIGHTS_IN_MEMORY, "source_dtype": model.source_dtype,
+            "weight_types": weight_types(model.weights),
+            "file_bytes": path_bytes(model.path),
+            "chat_template_source": model.chat_template_source or CHATML_FALLBACK,
+            "vision": model.vision is not None,
+        }
 
     def rss_bytes(self) -> int:
         """The daemon's resident memory."""
@@ -36,7 +96,6 @@ class StatusReporter:
 
     def status(self) -> dict:
         eng, kv = self._engine, self._engine.kv
-        cfg = eng.model.config
         engine_stats = eng.stats()
         now = time.time()
         out = {
@@ -45,9 +104,7 @@ class StatusReporter:
             "pid": os.getpid(),
             "started_at": round(self.started_at, 3),
             "uptime_s": round(now - self.started_at, 3),
-            "model": {"path": eng.model.path, "arch": cfg.arch, "name": cfg.name,
-                      "n_params": cfg.n_params, "n_layers": cfg.n_layers,
-                      "weights": WEIGHTS_IN_MEMORY, "source_dtype": eng.model.source_dtype},
+            "model": dict(self._model),
             "max_seq": kv.max_seq,
             "kv_bs": kv.kv_bs,
             "kv_dtype": KV_DTYPE,

@@ -21,6 +21,7 @@ from ..errors import BadRequest
 
 log = logging.getLogger(__name__)
 
+CHATML_FALLBACK = "chatml fallback"   # the template's source (status) when the model has none
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
