@@ -11,7 +11,7 @@ import modelgen
 import modelgen_moe
 from daemon import Daemon
 from kestreld.model.load import load_model
-from kestreld.service.status import path_bytes, weight_types
+from kestreld.service.status import path_bytes
 
 
 def _matrix_params(path) -> dict:
@@ -29,7 +29,7 @@ def test_weight_types_share_of_the_matrix_parameters(name, tmp_path):
     gen = modelgen_moe.generate(name, tmp_path, ("q8_0",), hf=False)
     want = _matrix_params(gen.gguf["q8_0"])
     total = want["router"] + want["quantized"]
-    types = weight_types(load_model(str(gen.gguf["q8_0"])).weights)
+    types = load_model(str(gen.gguf["q8_0"])).weights.type_shares()
     # the routers stay float32; a tied output matrix is the embedding, counted once
     assert types == {"q8_0": round(want["quantized"] / total, 6),
                      "f32": round(want["router"] / total, 6)}
@@ -38,7 +38,7 @@ def test_weight_types_share_of_the_matrix_parameters(name, tmp_path):
 def test_dense_weight_types_and_template_sources(tmp_path):
     gen = modelgen.generate("qwen3_tied", tmp_path, ("q8_0",))
     model = load_model(str(gen.gguf["q8_0"]))
-    assert weight_types(model.weights) == {"q8_0": 1.0}
+    assert model.weights.type_shares() == {"q8_0": 1.0} and model.weights.main_type() == "q8_0"
     assert model.chat_template_source == "gguf"
     assert load_model(str(gen.hf_dir)).chat_template_source == "tokenizer_config.json"
     (gen.hf_dir / "chat_template.jinja").write_text(modelgen.CHAT_TEMPLATE)

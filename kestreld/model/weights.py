@@ -109,6 +109,21 @@ class ModelWeights:
     out_norm: np.ndarray          # (hidden,) f32
     output: Matrix                # (vocab, hidden); the same object as tok_embd when tied
 
+    def type_shares(self) -> dict:
+        """Share of the matrix parameters held in each type, largest first, e.g.
+        {"q4_k": 0.62, "q6_k": 0.09, ...}: what the kernels compute on, as the memory holds
+        it (norm vectors are not matrices; a tied output matrix counts once)."""
+        counts: dict = {}
+        for m in self.matrices():
+            name = m.qtype.name.lower()
+            counts[name] = counts.get(name, 0) + m.n_mat * m.rows * m.cols
+        total = sum(counts.values())
+        return {t: round(n / total, 6) for t, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+    def main_type(self) -> str:
+        """The type holding the most matrix parameters, e.g. "q4_k"."""
+        return next(iter(self.type_shares()))
+
     def matrices(self) -> list:
         """Every matrix once (the tied output is the embedding)."""
         out = [self.tok_embd] + ([] if self.output is self.tok_embd else [self.output])

@@ -6,55 +6,18 @@ its lock) and psutil, never waiting for the engine thread.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-from collections import Counter
 from typing import Optional
 
-import numpy as np
 import psutil
 
 from .. import __version__
 from .config import Config
-from ..model.weights import ModelWeights, Q8Experts, Q8Matrix
 from ..protocol import PROTOCOL_VERSION
 from ..text.chat import CHATML_FALLBACK
 
-# Every matrix is held as Q8_0 in memory whatever the file held (model/weights.py).
-WEIGHTS_IN_MEMORY = "q8_0"
 KV_DTYPE = "q8"
-_FLOAT_TYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}   # GGUF's names
-
-
-def _matrices(node):
-    """(matrix, its type name, its parameter count) for every weight matrix under a weights
-    dataclass; a matrix reachable twice (tied embeddings) is yielded twice."""
-    if isinstance(node, Q8Matrix):
-        yield node, WEIGHTS_IN_MEMORY, node.rows * node.cols
-    elif isinstance(node, Q8Experts):
-        yield node, WEIGHTS_IN_MEMORY, node.n_expert * node.rows * node.cols
-    elif isinstance(node, np.ndarray) and node.ndim == 2:     # the MoE routers, float32
-        yield node, _FLOAT_TYPES.get(node.dtype, str(node.dtype)), node.size
-    elif isinstance(node, list):
-        for item in node:
-            yield from _matrices(item)
-    elif dataclasses.is_dataclass(node):
-        for f in dataclasses.fields(node):
-            yield from _matrices(getattr(node, f.name))
-
-
-def weight_types(weights: ModelWeights) -> dict:
-    """Share of the language model's matrix parameters held in each type, e.g.
-    {"q8_0": 1.0} (norm vectors are not matrices; a tied output matrix counts once)."""
-    counts: Counter = Counter()
-    seen = set()
-    for m, kind, n in _matrices(weights):
-        if id(m) not in seen:
-            seen.add(id(m))
-            counts[kind] += n
-    total = sum(counts.values())
-    return {kind: round(n / total, 6) for kind, n in counts.most_common()}
 
 
 def path_bytes(path: str) -> Optional[int]:
@@ -83,8 +46,8 @@ class StatusReporter:
             "path": model.path, "arch": model.config.arch, "name": model.config.name,
             "n_params": model.config.n_params, "n_layers": model.config.n_layers,
             "context_length": model.config.context_length,
-            "weights": WEIGHTS_IN_MEMORY, "source_dtype": model.source_dtype,
-            "weight_types": weight_types(model.weights),
+            "weights": model.weights.main_type(), "source_dtype": model.source_dtype,
+            "weight_types": model.weights.type_shares(),
             "file_bytes": path_bytes(model.path),
             "chat_template_source": model.chat_template_source or CHATML_FALLBACK,
             "vision": model.vision is not None,
