@@ -8,14 +8,16 @@ cdef extern from "<stdlib.h>" nogil:
 
 
 cdef int _fill_matrix(ks_matrix *out, object m, Py_ssize_t rows, Py_ssize_t cols,
-                      Py_ssize_t n_mat, str what) except -1:
+                      Py_ssize_t n_mat, str what, bint router=False) except -1:
     """out := the ks_matrix of the Matrix m, checked to be n_mat x (rows, cols) of a type the
-    kernels compute on."""
+    kernels compute on (a router: F32)."""
     cdef const uint8_t[:, ::1] mv2
     cdef const uint8_t[:, :, ::1] mv3
     cdef int qtype = int(m.qtype)
     cdef int64_t rb
-    if not ks_type_supported(qtype):
+    if router and qtype != KS_TYPE_F32:
+        raise ValueError(f"Forward: {what} must be F32, got {m.qtype.name}")
+    if not router and not ks_type_supported(qtype):
         raise ValueError(f"Forward: {what} is {m.qtype.name}, which the kernels do not compute on")
     if m.rows != rows or m.cols != cols or m.n_mat != n_mat:
         raise ValueError(f"Forward: {what} must be {n_mat} x ({rows}, {cols}), got "
@@ -133,9 +135,7 @@ cdef class Forward:
                 _fill_matrix(&L.up, w.w_up, m.ffn, H, 1, at + "w_up")
                 _fill_matrix(&L.down, w.w_down, H, m.ffn, 1, at + "w_down")
             else:
-                if int(w.moe.router.qtype) != KS_TYPE_F32:
-                    raise ValueError(f"Forward: {at}router must be F32")
-                _fill_matrix(&L.router, w.moe.router, m.n_exp, H, 1, at + "router")
+                _fill_matrix(&L.router, w.moe.router, m.n_exp, H, 1, at + "router", True)
                 _fill_matrix(&L.gate, w.moe.gate, m.expert_ffn, H, m.n_exp, at + "gate experts")
                 _fill_matrix(&L.up, w.moe.up, m.expert_ffn, H, m.n_exp, at + "up experts")
                 _fill_matrix(&L.down, w.moe.down, H, m.expert_ffn, m.n_exp, at + "down experts")

@@ -66,9 +66,9 @@ typedef struct {
     int32_t n_mat;            /* 1, or the number of stacked experts */
 } ks_matrix;
 
-/* The types the kernels compute on (F32 only for MoE routers, read by dot products);
- * weights of other types are converted at load. */
-static const int ks_compute_types[] = {KS_TYPE_F32, KS_TYPE_Q8_0};
+/* The types of the matrices the kernels compute on; weights of other types are converted at
+ * load. (MoE routers stay F32 and are read by float dot products: ks_layer.router.) */
+static const int ks_compute_types[] = {KS_TYPE_Q8_0};
 #define KS_N_COMPUTE_TYPES ((int)(sizeof(ks_compute_types) / sizeof(ks_compute_types[0])))
 
 static inline int ks_type_supported(int type)
@@ -98,9 +98,6 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
     switch (w->type) {
     case KS_TYPE_Q8_0:
         ks_dequantize_row_q8_0(row, out, w->cols);
-        break;
-    case KS_TYPE_F32:
-        memcpy(out, row, sizeof(float) * w->cols);
         break;
     }
 }

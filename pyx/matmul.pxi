@@ -34,7 +34,7 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
     cdef ks_matrix W
     _check_q8_cols(k, "matmul")
     _check_threads(nthreads)
-    if not ks_type_supported(qtype) or qtype == KS_TYPE_F32:
+    if not ks_type_supported(qtype):
         raise ValueError(f"matmul: weight type {qtype} is not one the kernels compute on")
     if w.shape[1] != ks_type_row_bytes(qtype, k):
         raise ValueError(f"matmul: w must have {ks_type_row_bytes(qtype, k)} bytes per row for "

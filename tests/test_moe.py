@@ -200,7 +200,7 @@ def test_gguf_router_left_float_counts_as_q8_0(moe_zoo):
     """A Q8_0 qwen3moe GGUF keeps its routers F32 (as llama.cpp does); that is no reason
     to convert the file."""
     src = GGUFSource(str(moe_zoo.get("qwen3moe_norm").gguf["q8_0"]))
-    assert src.all_q8_0()
+    assert not src.needs_conversion()
 
 
 # ---------------------------------------------------------------- forward

@@ -127,7 +127,8 @@ def test_text_gguf_without_mmproj_is_text_only(vl, caplog):
 def test_a_cached_q8_0_conversion_keeps_the_pair_working(vl, tmp_path):
     text, mmproj = vl["pairs"]["f16"]
     model = load_model(text, cache_dir=str(tmp_path), mmproj=mmproj)
-    assert list(tmp_path.glob("*.Q8_0.gguf")) and model.config.mrope_section == (6, 5, 5)
+    assert list(tmp_path.glob("*.kestrel.gguf")) and model.config.mrope_section == (6, 5, 5)
+    assert model.conversion.startswith("converted to q8_0 once, cached as")
     assert model.vision.cfg.deepstack == (0, 1)
 
 

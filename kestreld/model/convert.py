@@ -53,8 +53,10 @@ def _q8_0_blocks(tensor: gguf.ReaderTensor) -> np.ndarray:
     return gguf.quants.quantize(values, Q8_0)
 
 
-def convert_to_q8_0(src_gguf: str, dst_gguf: str) -> None:
-    """Write `dst_gguf`: `src_gguf`'s metadata with file_type Q8_0, its matrices in Q8_0.
+def convert_to_q8_0(src_gguf: str, dst_gguf: str, keep: tuple = ()) -> None:
+    """Write `dst_gguf`: `src_gguf`'s metadata and tensors, every matrix whose type is not in
+    `keep` (GGML types) rewritten as Q8_0; file_type becomes MOSTLY_Q8_0 when no matrix was
+    kept in another type.
 
     Raises ModelLoadError if the source cannot be read or a matrix row is not a multiple
     of 32 values."""
@@ -66,10 +68,14 @@ def convert_to_q8_0(src_gguf: str, dst_gguf: str) -> None:
     if arch_field is None:
         raise ModelLoadError(f"{src_gguf}: no general.architecture in the metadata")
     writer = gguf.GGUFWriter(dst_gguf, arch_field.contents())
+    kept = {t.tensor_type for t in reader.tensors
+            if len(t.shape) >= 2 and t.tensor_type in keep and not t.name.endswith(ROUTER_SUFFIX)}
     for field in reader.fields.values():
         if field.name.startswith(_WRITER_OWNED):
             continue
-        if field.name == FILE_TYPE_KEY:
+        if field.name == FILE_TYPE_KEY and kept - {Q8_0}:
+            pass                          # still a mix of the source's types: its file_type
+        elif field.name == FILE_TYPE_KEY:
             writer.add_uint32(FILE_TYPE_KEY, gguf.LlamaFileType.MOSTLY_Q8_0)
             continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
@@ -86,6 +92,9 @@ def convert_to_q8_0(src_gguf: str, dst_gguf: str) -> None:
             # keeps them F32 too)
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
             writer.add_tensor(tensor.name, values)
+            continue
+        if tensor.tensor_type in keep:
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
             continue
         if tensor.shape[0] % gguf.GGML_QUANT_SIZES[Q8_0][0]:
             raise ModelLoadError(f"{src_gguf}: tensor {tensor.name} has rows of {tensor.shape[0]} "
@@ -112,9 +121,10 @@ def default_model_path() -> Optional[str]:
     return None
 
 
-def _stamp(path: str) -> dict:
+def _stamp(path: str, made_for=None) -> dict:
     """What a cached conversion was made from: the source's path and, for each of its files
-    (the file itself, or a directory's files), size and mtime."""
+    (the file itself, or a directory's files), size and mtime; and `made_for`, what else it
+    depends on (the weight types the kernels kept as they were)."""
     if os.path.isdir(path):
         names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
     else:
@@ -123,7 +133,7 @@ def _stamp(path: str) -> dict:
     for n in names:
         st = os.stat(os.path.join(path, n) if n else path)
         files[n] = [st.st_size, st.st_mtime_ns]
-    return {"source": os.path.abspath(path), "files": files}
+    return {"source": os.path.abspath(path), "files": files, "made_for": made_for}
 
 
 def cache_stem(src: str, suffixes: tuple = ()) -> str:
@@ -138,26 +148,27 @@ def cache_stem(src: str, suffixes: tuple = ()) -> str:
     return f"{stem}-{digest}"
 
 
-def _cache_name(src: str) -> str:
-    """Cache file name of a GGUF's Q8_0 conversion."""
+def _cache_name(src: str, suffix: str) -> str:
+    """Cache file name of a GGUF's conversion: its stem, then `suffix`."""
     return cache_stem(src, (".Q4_0", ".Q4_1", ".Q4_K_M", ".Q4_K_S", ".Q5_K_M", ".Q6_K", ".F16",
-                            ".BF16", ".F32")) + ".Q8_0.gguf"
+                            ".BF16", ".F32")) + suffix
 
 
-def find_cached(src: str, cache_dir: str, names: list) -> Optional[list]:
+def find_cached(src: str, cache_dir: str, names: list, made_for=None) -> Optional[list]:
     """The paths of the cached files `names` made from `src`, if they all exist and the
-    stamp beside the first (the source's path, files, sizes and mtimes) still matches."""
+    stamp beside the first (the source's path, files, sizes and mtimes, and `made_for`)
+    still matches."""
     paths = [os.path.join(cache_dir, n) for n in names]
     try:
         with open(paths[0] + ".stamp") as f:
-            if json.load(f) == _stamp(src) and all(os.path.isfile(p) for p in paths):
+            if json.load(f) == _stamp(src, made_for) and all(os.path.isfile(p) for p in paths):
                 return paths
     except (OSError, ValueError):
         pass
     return None
 
 
-def cached_conversion(src: str, cache_dir: str, names: list, write) -> list:
+def cached_conversion(src: str, cache_dir: str, names: list, write, made_for=None) -> list:
     """Files `names` in `cache_dir` made from `src` by `write(paths)` once, and reused.
 
     A `.stamp` file beside the first records what they were made from; a stale or missing
@@ -165,7 +176,7 @@ def cached_conversion(src: str, cache_dir: str, names: list, write) -> list:
     concurrent callers never see a partial file. Raises OSError if cache_dir is not
     writable, and whatever `write` raises (ModelLoadError when the source cannot be
     converted)."""
-    found = find_cached(src, cache_dir, names)
+    found = find_cached(src, cache_dir, names, made_for)
     if found:
         return found
     os.makedirs(cache_dir, exist_ok=True)
@@ -186,23 +197,34 @@ def cached_conversion(src: str, cache_dir: str, names: list, write) -> list:
                 os.unlink(tmp)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".stamp.part")
     with os.fdopen(fd, "w") as f:
-        json.dump(_stamp(src), f)
+        json.dump(_stamp(src, made_for), f)
     os.chmod(tmp, 0o644)
     os.replace(tmp, paths[0] + ".stamp")
     return paths
 
 
-def find_cached_q8_0(src: str, cache_dir: str) -> Optional[str]:
-    """The cached Q8_0 conversion of GGUF `src` if it exists and is current; else None."""
-    found = find_cached(src, cache_dir, [_cache_name(src)])
+def find_cached_q8_0(src: str, cache_dir: str, keep: tuple = ()) -> Optional[str]:
+    """The cached conversion of GGUF `src` (every matrix not of a type in `keep` as Q8_0)
+    if it exists and is current; else None."""
+    found = find_cached(src, cache_dir, [_cache_name(src, _suffix(keep))], _made_for(keep))
     return found[0] if found else None
 
 
-def cached_q8_0(src: str, cache_dir: str) -> str:
-    """The Q8_0 conversion of GGUF `src`, made once in `cache_dir` and reused (see
-    cached_conversion)."""
-    return cached_conversion(src, cache_dir, [_cache_name(src)],
-                             lambda paths: convert_to_q8_0(src, paths[0]))[0]
+def cached_q8_0(src: str, cache_dir: str, keep: tuple = ()) -> str:
+    """The conversion of GGUF `src` with every matrix not of a type in `keep` as Q8_0,
+    made once in `cache_dir` and reused (see cached_conversion). keep=(): all Q8_0, the
+    file llama.cpp and Kestrel are compared on; the loader keeps the types the kernels
+    compute on."""
+    return cached_conversion(src, cache_dir, [_cache_name(src, _suffix(keep))],
+                             lambda paths: convert_to_q8_0(src, paths[0], keep), _made_for(keep))[0]
+
+
+def _suffix(keep: tuple) -> str:
+    return ".kestrel.gguf" if keep else ".Q8_0.gguf"
+
+
+def _made_for(keep: tuple):
+    return sorted(t.name for t in keep) or None
 
 
 def smollm2_q8_0_path(cache_dir: str) -> str:

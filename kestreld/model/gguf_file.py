@@ -12,12 +12,12 @@ from collections import Counter
 from typing import Any, Optional
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType
+from gguf import GGUFEndian, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField
 
 from ..errors import ModelLoadError
 from .config import ModelConfig
-from .weights import Q8_BLOCK, Matrix, QType
+from .weights import Q8_BLOCK, Matrix, QType, computes_on
 from .quant import SUPPORTED_TYPES, dequantize_gguf, gguf_to_q8_0
 from ..text.tokenizer import Tokenizer
 
@@ -197,7 +197,7 @@ class GGUFFile:
 
     def matrix_of(self, name: str, shape: tuple) -> Matrix:
         """The tensor `name` of `shape` ((rows, cols), or (n_mat, rows, cols) for stacked
-        experts) as a Matrix: Q8_0 in place from the map when the file holds Q8_0,
+        experts) as a Matrix: in place from the map when the kernels compute on its type,
         converted to Q8_0 otherwise."""
         t = self._tensor(name)
         got = self.shape(name)
@@ -209,6 +209,8 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: tensor {name} has {cols} columns, "
                                  f"not a multiple of {Q8_BLOCK} (Q8_0 blocks)")
         data = np.asarray(t.data).reshape(int(np.prod(shape[:-1])), -1)
+        if computes_on(t.tensor_type):
+            return Matrix(data.reshape(shape[:-1] + (-1,)), t.tensor_type, rows, cols)
         q8 = gguf_to_q8_0(data, t.tensor_type)
         return Matrix(q8.reshape(shape[:-1] + (-1,)), QType.Q8_0, rows, cols)
 
@@ -312,9 +314,10 @@ class GGUFSource(GGUFFile):
                 counts[t.tensor_type.name.lower()] += int(t.n_elements)
         return counts.most_common(1)[0][0] if counts else "unknown"
 
-    def all_q8_0(self) -> bool:
-        """True when every matrix is Q8_0 already (usable in place, nothing to convert)."""
-        return all(t.tensor_type == GGMLQuantizationType.Q8_0
+    def needs_conversion(self) -> bool:
+        """True when some matrix is of a type the kernels do not compute on (it is then
+        converted to Q8_0); False when every matrix is used in place from the map."""
+        return any(not computes_on(t.tensor_type)
                    for t in self._reader.tensors if len(t.shape) >= 2 and not _is_router(t.name))
 
     # ---- tensors ----------------------------------------------------------------------

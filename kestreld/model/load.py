@@ -17,7 +17,7 @@ from .gguf_file import GGUFSource
 from .hf_dir import HFSource, is_qwen3vl_dir
 from ..text.tokenizer import Tokenizer
 from .config import ModelConfig
-from .weights import Q8_BLOCK, LayerWeights, ModelWeights, MoEWeights
+from .weights import Q8_BLOCK, LayerWeights, ModelWeights, MoEWeights, compute_types
 
 log = logging.getLogger("kestreld")
 
@@ -38,22 +38,25 @@ class LoadedModel:
     keepalive: list = field(default_factory=list)  # memory maps the arrays view into
     vision: Optional[object] = None  # Qwen3-VL: the vision encoder (vision.VisionEncoder)
     mmproj: Optional[str] = None     # the vision projector GGUF the encoder came from, if any
+    conversion: Optional[str] = None  # None: every matrix in place from the map; else how
+                                      # matrices the kernels do not compute on were converted
 
 
 def load_model(path: str, cache_dir: Optional[str] = None,
                mmproj: Optional[str] = None) -> LoadedModel:
     """Load a model; any fault raises ModelLoadError naming the file and what is wrong.
 
-    With `cache_dir`, a GGUF whose matrices are not all Q8_0 is converted once into a
-    cached Q8_0 GGUF there and memory-mapped from it on every later start (fast start,
-    weights in place); without it, or if the cache cannot be written, the conversion is
-    done in memory at each load; a Qwen3-VL Hugging Face directory likewise becomes a cached
-    Q8_0 text GGUF + mmproj pair. `mmproj`: llama.cpp's vision projector GGUF that goes with
+    A GGUF's matrices of the types the kernels compute on are used in place from the map.
+    With `cache_dir`, a GGUF with other matrices is converted once into a cached GGUF there
+    (those matrices as Q8_0, the others byte for byte) and memory-mapped from it on every
+    later start (fast start, weights in place); without it, or if the cache cannot be
+    written, they are converted in memory at each load; a Qwen3-VL Hugging Face directory
+    likewise becomes a cached Q8_0 text GGUF + mmproj pair. `mmproj`: llama.cpp's vision projector GGUF that goes with
     a qwen3vl text GGUF (the vision half of a split Qwen3-VL)."""
     if os.path.isdir(path):
-        source, mmproj = _open_hf_cached(path, cache_dir, mmproj)
+        source, mmproj, conversion = _open_hf_cached(path, cache_dir, mmproj)
     elif os.path.exists(path):
-        source = _open_gguf_cached(path, cache_dir)
+        source, conversion = _open_gguf_cached(path, cache_dir)
     else:
         raise ModelLoadError(f"{path}: no such file or directory")
     check_shapes(source.config, path)
@@ -69,6 +72,7 @@ def load_model(path: str, cache_dir: Optional[str] = None,
         keepalive=source.keepalive,
         vision=_vision(source, path, mmproj),
         mmproj=mmproj,
+        conversion=conversion,
     )
 
 
@@ -110,35 +114,42 @@ def _vision(source, path: str, mmproj: Optional[str]):
 
 
 def _open_hf_cached(path: str, cache_dir: Optional[str], mmproj: Optional[str]):
-    """(source, mmproj) of a Hugging Face directory: with cache_dir, a Qwen3-VL one through
-    its cached Q8_0 pair (its bf16 weights would take most of a minute and gigabytes to
-    convert at every start), any other one as it is."""
+    """(source, mmproj, conversion) of a Hugging Face directory: with cache_dir, a Qwen3-VL
+    one through its cached Q8_0 pair (its bf16 weights would take most of a minute and
+    gigabytes to convert at every start), any other one as it is (converted in memory)."""
     if cache_dir and mmproj is None and is_qwen3vl_dir(path):
         from .convert_vl import cached_qwen3vl_pair
         try:
             text, mmproj = cached_qwen3vl_pair(path, cache_dir)
-            return GGUFSource(text), mmproj
+            return GGUFSource(text), mmproj, f"converted to q8_0 once, cached as {text}"
         except OSError as e:
             log.warning("cannot cache the Q8_0 conversion in %s (%s); converting in memory",
                         cache_dir, e)
-    return HFSource(path), mmproj
+    return HFSource(path), mmproj, "converted to q8_0 in memory at load"
 
 
-def _open_gguf_cached(path: str, cache_dir: Optional[str]) -> GGUFSource:
-    """The GGUF source to load: the cached Q8_0 conversion of `path` when there is one
-    (or can be made), else `path` itself."""
-    cached = find_cached_q8_0(path, cache_dir) if cache_dir else None
+def _open_gguf_cached(path: str, cache_dir: Optional[str]) -> tuple:
+    """(source, conversion) of a GGUF file: the file itself when the kernels compute on all
+    its matrices (conversion None); else its cached conversion (the other matrices as Q8_0,
+    the rest byte for byte) when there is one or it can be made; else the file itself,
+    its other matrices converted in memory."""
+    keep = compute_types()
+    cached = find_cached_q8_0(path, cache_dir, keep) if cache_dir else None
     if cached:
-        return GGUFSource(cached)
+        return GGUFSource(cached), f"converted to q8_0 once, cached as {cached}"
     source = GGUFSource(path)
-    if cache_dir and not source.all_q8_0():
+    if not source.needs_conversion():
+        return source, None
+    if cache_dir:
         try:
-            log.info("converting %s to Q8_0 once, into %s", path, cache_dir)
-            return GGUFSource(cached_q8_0(path, cache_dir))
+            log.info("converting the matrices of %s the kernels do not compute on to Q8_0 "
+                     "once, into %s", path, cache_dir)
+            cached = cached_q8_0(path, cache_dir, keep)
+            return GGUFSource(cached), f"converted to q8_0 once, cached as {cached}"
         except OSError as e:
             log.warning("cannot cache the Q8_0 conversion in %s (%s); converting in memory",
                         cache_dir, e)
-    return source
+    return source, "converted to q8_0 in memory at load"
 
 
 def _assemble(src, c: ModelConfig) -> ModelWeights:

@@ -15,13 +15,13 @@ from gguf import quants as gguf_quants
 
 from .weights import Q8_BLOCK, Q8_BLOCK_BYTES
 
-# GGUF tensor types that load converts to Q8_0 (Q8_0 itself is used in place).
-CONVERTIBLE_TYPES = (
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-)
-SUPPORTED_TYPES = (GGMLQuantizationType.Q8_0,) + CONVERTIBLE_TYPES
+# GGUF tensor types a model file may hold: those the kernels compute on are used in place
+# (model/weights.py: computes_on), the others are converted to Q8_0 (gguf-py dequantizes
+# them all; its dequantizers are llama.cpp's reference ones).
+SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+    "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS",
+    "IQ1_M", "IQ1_S"))
 
 _CHUNK_VALUES = 1 << 22  # float32 values converted per step (16 MiB of scratch)
 
@@ -83,7 +83,7 @@ def gguf_to_q8_0(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     type is dequantized with gguf.quants in row chunks and re-quantized to Q8_0."""
     if qtype == GGMLQuantizationType.Q8_0:
         return data
-    if qtype not in CONVERTIBLE_TYPES:
+    if qtype not in SUPPORTED_TYPES:
         raise ValueError(f"unsupported tensor type {qtype.name}")
     rows = data.shape[0]
     row_bytes = data.nbytes // max(rows, 1)

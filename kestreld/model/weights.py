@@ -27,10 +27,15 @@ Q8_BLOCK_BYTES = 34    # fp16 scale + 32 int8
 
 
 
-def computes_on(qtype: QType) -> bool:
-    """Whether the kernels compute on `qtype` in place (their list is the C side's,
+def compute_types() -> tuple:
+    """The types the kernels compute on in place (their list is the C side's,
     ks_weights.h); a matrix of any other type is converted at load."""
-    return int(qtype) in K.compute_types()
+    return tuple(QType(t) for t in K.compute_types())
+
+
+def computes_on(qtype: QType) -> bool:
+    """Whether `qtype` is one of compute_types()."""
+    return qtype in compute_types()
 
 
 def row_bytes(qtype: QType, cols: int) -> int:

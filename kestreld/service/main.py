@@ -76,6 +76,11 @@ def model_id(path: str) -> str:
     return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
+def weights_line(model) -> str:
+    """Each matrix type's share of the weights, e.g. "q4_k 62%, q6_k 9%, q5_0 28%"."""
+    return ", ".join(f"{t} {share:.0%}" for t, share in model.weights.type_shares().items())
+
+
 def build_engine(cfg: Config, path: str) -> Engine:
     """Load the model and allocate the KV arena (once, for max_seq tokens); open --disk-kv."""
     t0 = time.monotonic()
@@ -84,9 +89,9 @@ def build_engine(cfg: Config, path: str) -> Engine:
                                 cfg.prefix_min) if cfg.disk_kv else None)
     engine = Engine.from_config(model, cfg, disk_kv=disk_kv)
     c, kv = model.config, engine.kv
-    log.info("model %s: %s %s, %d layers, %d params, weights %s (from %s) in %.1f s",
-             path, c.arch, c.name, c.n_layers, c.n_params, "q8_0", model.source_dtype,
-             time.monotonic() - t0)
+    log.info("model %s: %s %s, %d layers, %d params, weights %s (%s) in %.1f s",
+             path, c.arch, c.name, c.n_layers, c.n_params, weights_line(model),
+             model.conversion or "in place from the file's map", time.monotonic() - t0)
     log.info("inference state ready (max_seq=%d, kv_bs=%d, kv_arena=%.1f MB)",
              kv.max_seq, kv.kv_bs, kv.nbytes / 1e6)
     return engine
