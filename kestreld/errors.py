@@ -130,5 +130,9 @@ class KernelsMissing(FatalError):
     """The compiled kernels do not import; Kestrel refuses to run without them."""
 
 
+class InsufficientMemory(FatalError):
+    """The model's weights and KV arena would not fit the memory available."""
+
+
 class StartupError(FatalError):
     """The daemon cannot start (e.g. the socket path is in use or is not a socket)."""

@@ -97,7 +97,7 @@ def kv_fingerprint(model, max_seq: int) -> bytes:
     c = model.config
     key = repr((FORMAT_VERSION, __version__, sys.byteorder, "k,v int8 + f32 scale per head",
                 sorted(dataclasses.asdict(c).items()),
-                KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, max_seq)))
+                KVLayout.of(c, max_seq)))
     files = model_identity(model.path) + (model_identity(model.mmproj) if model.mmproj else b"")
     return hashlib.blake2b(key.encode() + files, digest_size=32).digest()
 
@@ -209,7 +209,7 @@ class DiskKV:
         """The store for this model's arena of `max_seq` tokens."""
         c = model.config
         return cls(directory, max_bytes, kv_fingerprint(model, max_seq),
-                   KVLayout(c.n_layers, c.n_kv_heads, c.head_dim, max_seq), prefix_min)
+                   KVLayout.of(c, max_seq), prefix_min)
 
     # ------------------------------------------------------------ engine thread
 

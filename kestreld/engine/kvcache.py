@@ -44,9 +44,19 @@ class KVLayout:
     def bytes_per_token_layer(self) -> int:
         return kv_bytes_per_token_layer(self.n_kv_heads, self.head_dim)
 
+    @classmethod
+    def of(cls, config, max_seq: int) -> "KVLayout":
+        """The layout of a model's (a ModelConfig's) arena for max_seq tokens."""
+        return cls(config.n_layers, config.n_kv_heads, config.head_dim, max_seq)
+
     def row_bytes(self) -> int:
         """Bytes of one token's K, V and scales over all layers."""
         return self.n_layers * self.bytes_per_token_layer
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole arena."""
+        return self.row_bytes() * self.max_seq
 
     def rows_shapes(self, n: int) -> tuple:
         """Shapes of (k_q, v_q, k_s, v_s) for n tokens: what `copy_rows` returns."""
@@ -68,7 +78,7 @@ class KVCache:
         self.layout = layout
         self.kv_bs = kv_bs
         self.bytes_per_token_layer = layout.bytes_per_token_layer
-        self.nbytes = layout.row_bytes() * layout.max_seq
+        self.nbytes = layout.nbytes
         (q_shape, _, s_shape, _) = layout.rows_shapes(layout.max_seq)
         q_bytes = int(np.prod(q_shape))
         s_bytes = int(np.prod(s_shape)) * 4
@@ -86,7 +96,7 @@ class KVCache:
     @classmethod
     def for_model(cls, config, max_seq: int, kv_bs: int = 32) -> "KVCache":
         """The cache of a model (a ModelConfig) for max_seq tokens."""
-        return cls(KVLayout(config.n_layers, config.n_kv_heads, config.head_dim, max_seq), kv_bs)
+        return cls(KVLayout.of(config, max_seq), kv_bs)
 
     # ---- reading ------------------------------------------------------------------
     @property

@@ -17,7 +17,7 @@ from gguf.gguf_reader import ReaderField
 
 from ..errors import ModelLoadError
 from .config import ModelConfig
-from .weights import Q8_BLOCK, Matrix, QType, computes_on
+from .weights import Q8_BLOCK, Q8_BLOCK_BYTES, Matrix, QType, computes_on
 from .quant import SUPPORTED_TYPES, dequantize_gguf, gguf_to_q8_0
 from ..text.tokenizer import Tokenizer
 
@@ -313,6 +313,19 @@ class GGUFSource(GGUFFile):
             if len(t.shape) >= 2:
                 counts[t.tensor_type.name.lower()] += int(t.n_elements)
         return counts.most_common(1)[0][0] if counts else "unknown"
+
+    def resident_bytes(self) -> int:
+        """What the weights take in memory once every page is touched: the file's bytes of
+        matrices used in place, Q8_0's size for those converted, float32 copies of vectors
+        and routers."""
+        total = 0
+        for t in self._reader.tensors:
+            n = int(t.n_elements)
+            if len(t.shape) < 2 or _is_router(t.name):
+                total += 4 * n
+            else:
+                total += int(t.n_bytes) if computes_on(t.tensor_type) else n // Q8_BLOCK * Q8_BLOCK_BYTES
+        return total
 
     def needs_conversion(self) -> bool:
         """True when some matrix is of a type the kernels do not compute on (it is then

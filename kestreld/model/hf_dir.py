@@ -304,6 +304,11 @@ class HFSource:
         """The (rows, cols) matrix for `role` as an F32 Matrix (a copy)."""
         return Matrix.of_floats(self.tensor_f32(self.name(role, layer), (rows, cols)))
 
+    def resident_bytes(self) -> int:
+        """What the weights take in memory: every matrix converted to Q8_0, vectors float32."""
+        return sum(int(np.prod(t.shape)) // Q8_BLOCK * Q8_BLOCK_BYTES if len(t.shape) >= 2
+                   else 4 * int(np.prod(t.shape)) for t in self._tensors.values())
+
     def shape(self, name: str) -> tuple:
         """The shape of the tensor `name` as the file holds it."""
         t = self._tensors.get(name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from ..errors import ModelLoadError
 from .convert import cached_q8_0, find_cached_q8_0
@@ -42,8 +42,8 @@ class LoadedModel:
                                       # matrices the kernels do not compute on were converted
 
 
-def load_model(path: str, cache_dir: Optional[str] = None,
-               mmproj: Optional[str] = None) -> LoadedModel:
+def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str] = None,
+               fits: Optional[Callable[[ModelConfig, int], None]] = None) -> LoadedModel:
     """Load a model; any fault raises ModelLoadError naming the file and what is wrong.
 
     A GGUF's matrices of the types the kernels compute on are used in place from the map.
@@ -52,7 +52,10 @@ def load_model(path: str, cache_dir: Optional[str] = None,
     later start (fast start, weights in place); without it, or if the cache cannot be
     written, they are converted in memory at each load; a Qwen3-VL Hugging Face directory
     likewise becomes a cached Q8_0 text GGUF + mmproj pair. `mmproj`: llama.cpp's vision projector GGUF that goes with
-    a qwen3vl text GGUF (the vision half of a split Qwen3-VL)."""
+    a qwen3vl text GGUF (the vision half of a split Qwen3-VL). `fits(config, bytes)`, called
+    once the file is opened and before any weight is read: may refuse to go on when what the
+    weights will take in memory (`bytes`, the vision encoder's mmproj file included) does
+    not fit."""
     if os.path.isdir(path):
         source, mmproj, conversion = _open_hf_cached(path, cache_dir, mmproj)
     elif os.path.exists(path):
@@ -60,6 +63,8 @@ def load_model(path: str, cache_dir: Optional[str] = None,
     else:
         raise ModelLoadError(f"{path}: no such file or directory")
     check_shapes(source.config, path)
+    if fits is not None:
+        fits(source.config, source.resident_bytes() + (os.path.getsize(mmproj) if mmproj else 0))
     return LoadedModel(
         path=path,
         config=source.config,

@@ -86,6 +86,7 @@ class Config:
     max_seq: int = 8192                  # KV arena capacity in tokens (allocated once)
     threads: int = 0                     # 0: number of performance cores
     prefix_kv: bool = True               # reuse the KV of the longest common prefix
+    memory_check: bool = True            # refuse a model whose weights + arena exceed MemAvailable
     prefix_min: int = 16                 # LCP below this is a miss (design source: 16)
     kv_bs: int = 32                      # attention key block size
     prefill_chunk: int = 256             # tokens per prefill chunk (cancel checked between)
@@ -148,6 +149,9 @@ _ENV = {  # environment variable -> field
 }
 
 
+_SWITCHES_OFF = {"no_prefix_kv": "prefix_kv", "no_memory_check": "memory_check"}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kestreld", description="Kestrel LLM inference daemon")
     a = p.add_argument
@@ -159,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--socket-group", help="group that owns the socket")
     a("--max-seq", type=int, help="KV arena capacity in tokens (default 8192)")
     a("--threads", type=int, help="worker threads (default: performance cores)")
+    a("--no-memory-check", dest="memory_check", action="store_const", const=False,
+      help="start even if the weights and the KV arena exceed the memory available (an MoE "
+      "model's unused experts may stay on disk)")
     a("--no-prefix-kv", dest="prefix_kv", action="store_const", const=False,
       help="never reuse the previous request's KV")
     a("--prefix-min", type=int, help="shortest common prefix reused (default 16)")
@@ -214,7 +221,8 @@ def _coerce(name: str, value: str):
 
 
 def read_config_file(path: str) -> dict:
-    """Parse `key = value` lines; keys are long option names (`max-seq`) or `no-prefix-kv`."""
+    """Parse `key = value` lines; keys are long option names (`max-seq`), and a switch that
+    turns something off stands alone (`no-prefix-kv`, `no-memory-check`)."""
     known = {f.name for f in fields(Config)}
     out = {}
     with open(path) as f:
@@ -224,8 +232,8 @@ def read_config_file(path: str) -> dict:
                 continue
             key, sep, value = (s.strip() for s in line.partition("="))
             name = key.replace("-", "_")
-            if name == "no_prefix_kv" and not sep:
-                out["prefix_kv"] = False
+            if name in _SWITCHES_OFF and not sep:
+                out[_SWITCHES_OFF[name]] = False
                 continue
             if not sep or name not in known:
                 raise ValueError(f"{path}:{n}: expected `key = value` with a known key, got {line!r}")

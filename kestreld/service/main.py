@@ -20,12 +20,15 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
+import psutil
+
 from .. import __version__, kernels
 from ..engine.diskkv import DiskKV
 from ..engine.generate import Engine
 from ..engine.prompt import TextInput
+from ..engine.kvcache import KVLayout
 from ..engine.sampler import SamplingOptions
-from ..errors import FatalError
+from ..errors import FatalError, InsufficientMemory
 from ..model.convert import default_model_path
 from ..model.load import load_model
 from .config import Config, load_config, performance_cores
@@ -81,10 +84,27 @@ def weights_line(model) -> str:
     return ", ".join(f"{t} {share:.0%}" for t, share in model.weights.type_shares().items())
 
 
+def memory_check(cfg: Config, path: str, available: int):
+    """The `fits` check of load_model: InsufficientMemory when the weights and the KV arena
+    of max_seq tokens need more than `available` bytes (unless --no-memory-check)."""
+    def fits(config, weights_bytes: int) -> None:
+        arena = KVLayout.of(config, cfg.max_seq).nbytes
+        if cfg.memory_check and weights_bytes + arena > available:
+            raise InsufficientMemory(
+                f"{path}: the model needs {(weights_bytes + arena) / 2**20:,.0f} MiB (weights "
+                f"{weights_bytes / 2**20:,.0f} MiB + KV arena {arena / 2**20:,.0f} MiB at "
+                f"max-seq {cfg.max_seq}) and {available / 2**20:,.0f} MiB are available; lower "
+                f"--max-seq, or start anyway with --no-memory-check (an MoE model's unused "
+                f"experts may stay on disk)")
+    return fits
+
+
 def build_engine(cfg: Config, path: str) -> Engine:
-    """Load the model and allocate the KV arena (once, for max_seq tokens); open --disk-kv."""
+    """Load the model (after checking it fits the memory available) and allocate the KV
+    arena (once, for max_seq tokens); open --disk-kv."""
     t0 = time.monotonic()
-    model = load_model(path, cache_dir=cfg.cache_dir, mmproj=cfg.mmproj)
+    model = load_model(path, cache_dir=cfg.cache_dir, mmproj=cfg.mmproj,
+                       fits=memory_check(cfg, path, psutil.virtual_memory().available))
     disk_kv = (DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
                                 cfg.prefix_min) if cfg.disk_kv else None)
     engine = Engine.from_config(model, cfg, disk_kv=disk_kv)

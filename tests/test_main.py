@@ -1,0 +1,39 @@
+"""service/main.py: start-up checks, end to end (a real kestreld process)."""
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from daemon import daemon_env, model_path
+from kestreld.errors import InsufficientMemory
+from kestreld.service.config import Config
+from kestreld.service.main import memory_check
+from kestreld.model.config import ModelConfig
+
+
+def test_a_model_that_does_not_fit_is_refused_with_both_numbers():
+    """SmolLM2's arena is 30 layers x 408 bytes a token: at 4M tokens it exceeds any memory
+    this machine has, and kestreld says so before loading a weight."""
+    available = psutil.virtual_memory().available
+    max_seq = 4_000_000
+    assert 30 * 408 * max_seq > available
+    out = subprocess.run([sys.executable, "-m", "kestreld", "--model", model_path(),
+                          "--max-seq", str(max_seq), "--prompt", "hi", "--config", "/dev/null"],
+                         env=daemon_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert "the model needs" in line and "KV arena" in line and "MiB are available" in line
+    assert "--no-memory-check" in line and "max-seq 4000000" in line
+
+
+def test_the_check_counts_weights_and_arena():
+    c = ModelConfig(arch="qwen3", name="x", n_layers=28, hidden=2048, n_heads=16, n_kv_heads=8,
+                    head_dim=128, ffn=6144, vocab=151936, rope_theta=1e6, norm_eps=1e-6,
+                    tied_embeddings=True, qk_norm=True, rope_neox=True, context_length=0)
+    arena = 2112 * 28 * 8192                              # the design source's 484 MB
+    fits = memory_check(Config(max_seq=8192), "m.gguf", available=arena + 1000)
+    fits(c, 1000)                                         # exactly fits
+    with pytest.raises(InsufficientMemory, match="weights 0 MiB \\+ KV arena 462 MiB"):
+        fits(c, 1001)
+    memory_check(Config(max_seq=8192, memory_check=False), "m.gguf", available=0)(c, 10**12)
