@@ -191,9 +191,26 @@ KS_INLINE float32x4_t ks_f16x4_neon(uint64_t h0, uint64_t h1, uint64_t h2, uint6
 }
 #endif
 
-/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2. Rows >= rv
- * / tokens >= tv repeat the last valid one (computed and dropped). xs: the tile's first token's
- * block sums, nb per token (used where KS_Q4X_NEEDS_XSUM). pf (or NULL): block b prefetches
+/* A tile's R rows (wp) and T tokens (activations xp, scales dp, block sums sp); rows >= rv /
+ * tokens >= tv repeat the last valid one, so edges need no second loop. */
+KS_INLINE void ks_q4x_tile_inputs(const int R, const int T, const uint8_t *w, int64_t w_stride,
+                                  int rv, const int8_t *x, const float *xd, const int32_t *xs,
+                                  int tv, int nb, const uint8_t **wp, const int8_t **xp,
+                                  const float **dp, const int32_t **sp)
+{
+    for (int i = 0; i < R; i++)
+        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
+    for (int j = 0; j < T; j++) {
+        const int64_t jt = j < tv ? j : tv - 1;
+        xp[j] = x + jt * nb * KS_QK;
+        dp[j] = xd + jt * nb;
+        sp[j] = xs + jt * nb;
+    }
+}
+
+/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2; rows and
+ * tokens as ks_q4x_tile_inputs. xs: the tile's first token's block sums, nb per token (used
+ * where KS_Q4X_NEEDS_XSUM). pf (or NULL): block b prefetches
  * pf + b * pf_step, pf_step bytes (see ks_prefetch_rows). */
 KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t *w,
                            int64_t w_stride, int rv, const int8_t *x, const float *xd,
@@ -205,14 +222,7 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
     const int8_t *xp[8];
     const float *dp[8];
     const int32_t *sp[8];
-    for (int i = 0; i < R; i++)
-        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
-    for (int j = 0; j < T; j++) {
-        const int64_t jt = j < tv ? j : tv - 1;
-        xp[j] = x + jt * nb * KS_QK;
-        dp[j] = xd + jt * nb;
-        sp[j] = xs + jt * nb;
-    }
+    ks_q4x_tile_inputs(R, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
 #if defined(KS_AVX2)
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
@@ -318,8 +328,8 @@ __m256i ks_q5_bits_vnni(__m256i qh, const int s)
                             _mm256_set1_epi8(16));
 }
 
-/* res[j * 8 + i] = out value of row i, token j; rows >= rv / tokens >= tv repeat the last valid
- * one. xs: the tile's first token's block sums, nb per token. */
+/* res[j * 8 + i] = out value of row i, token j; rows and tokens as ks_q4x_tile_inputs. xs: the
+ * tile's first token's block sums, nb per token. */
 KS_VNNI_TARGET static inline __attribute__((always_inline))
 void ks_q4x_tile_vnni(const int f, const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
                       const float *xd, const int32_t *xs, int tv, int nb, float res[32])
@@ -330,14 +340,7 @@ void ks_q4x_tile_vnni(const int f, const uint8_t *w, int64_t w_stride, int rv, c
     const int8_t *xp[T];
     const float *dp[T];
     const int32_t *sp[T];
-    for (int i = 0; i < 8; i++)
-        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
-    for (int j = 0; j < T; j++) {
-        const int64_t jt = j < tv ? j : tv - 1;
-        xp[j] = x + jt * nb * KS_QK;
-        dp[j] = xd + jt * nb;
-        sp[j] = xs + jt * nb;
-    }
+    ks_q4x_tile_inputs(8, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
     const __m256i low = _mm256_set1_epi8(15);
     __m256 acc[T];
     for (int j = 0; j < T; j++)
