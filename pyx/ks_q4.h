@@ -133,23 +133,51 @@ static inline void ks_q4x_matmul_rows_plain(int f, const uint8_t *w, int64_t w_s
 #endif
 
 #if defined(KS_AVX2)
-/* The block's 32 q (0..15, Q5_0 0..31) as unsigned bytes in value order. */
-KS_INLINE __m256i ks_q4x_q_avx2(const int f, const uint8_t *blk)
+/* Two 16-byte halves side by side: [a | b], or a in both when `same`. */
+KS_INLINE __m256i ks_pair128_avx2(const uint8_t *a, const uint8_t *b, const int same)
 {
-    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + ks_q4x_qs_offset(f)));
-    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs),
-                                 _mm256_set1_epi8(15));
+    const __m128i lo = _mm_loadu_si128((const __m128i *)a);
+    return same ? _mm256_broadcastsi128_si256(lo)
+                : _mm256_inserti128_si256(_mm256_castsi128_si256(lo),
+                                          _mm_loadu_si128((const __m128i *)b), 1);
+}
+
+/* The unsigned q (0..15, Q5_0 0..31) of two blocks a and b side by side (one 128-bit half
+ * each): lo = [a's values 0..15 | b's 0..15], hi = [a's 16..31 | b's 16..31]. The packed bytes
+ * of both go in one register, so a block costs no shuffle to unpack. */
+KS_INLINE void ks_q4x_pair_avx2(const int f, const uint8_t *a, const uint8_t *b, const int same,
+                                __m256i *lo, __m256i *hi)
+{
+    const int Q = ks_q4x_qs_offset(f);
+    const __m256i qs = ks_pair128_avx2(a + Q, b + Q, same), low = _mm256_set1_epi8(15);
+    *lo = _mm256_and_si256(qs, low);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low);
     if (f == KS_Q4X_Q5_0) {
-        /* byte j = byte j / 8 of qh (each 128-bit half holds all four); 16 where bit j % 8 is set */
-        const __m256i spread = _mm256_shuffle_epi8(
-            _mm256_set1_epi32((int)ks_load_u32le(blk + 2)),
-            _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        /* byte j of a half = byte j / 8 of its block's qh (bits 0..15 for lo, 16..31 for hi);
+         * 16 where bit j % 8 of it is set */
+        const __m128i qa = _mm_set1_epi32((int)ks_load_u32le(a + 2));
+        const __m256i qh = same ? _mm256_broadcastsi128_si256(qa)
+                                : _mm256_inserti128_si256(_mm256_castsi128_si256(qa),
+                                                          _mm_set1_epi32((int)ks_load_u32le(b + 2)), 1);
         const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        const __m256i s0 = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+        const __m256i s1 = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(
+            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(s0, bit), bit), sixteen));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(s1, bit), bit), sixteen));
     }
-    return q;
+}
+
+/* lane v of the result = the sum of lanes 0-3 of p[v], lane v + 4 that of its lanes 4-7. */
+KS_INLINE __m256i ks_hsum4x2_avx2(const __m256i p[4])
+{
+    const __m256i s0 = ks_pairsum_avx2(p[0], p[1]), s1 = ks_pairsum_avx2(p[2], p[3]);
+    return _mm256_add_epi32(_mm256_blend_epi32(s0, s1, 0xCC),
+                            _mm256_shuffle_epi32(_mm256_blend_epi32(s1, s0, 0xCC), 0x4E));
 }
 
 KS_INLINE __m256 ks_fmadd_avx2(__m256 a, __m256 b, __m256 acc)
@@ -224,26 +252,31 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
     const int32_t *sp[8];
     ks_q4x_tile_inputs(R, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
 #if defined(KS_AVX2)
+    /* vector v holds the pairs (lanes) v and v + 4: for 8 x 1 rows v and v + 4, for 4 x 2 row v
+     * with tokens 0 and 1 */
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i q[8], xv[8], p[8];
+        __m256i lo[4], hi[4], p[4];
         uint16_t h[8], hm[8];
         if (pf)
             ks_prefetch_rows(pf + b * pf_step, pf_step);
         for (int i = 0; i < R; i++) {
-            const uint8_t *blk = wp[i] + (int64_t)b * B;
-            q[i] = ks_q4x_q_avx2(f, blk);
-            h[i] = ks_load_u16le(blk);
-            hm[i] = f == KS_Q4X_Q4_1 ? ks_load_u16le(blk + 2) : 0;
+            h[i] = ks_load_u16le(wp[i] + (int64_t)b * B);
+            hm[i] = f == KS_Q4X_Q4_1 ? ks_load_u16le(wp[i] + (int64_t)b * B + 2) : 0;
         }
-        for (int j = 0; j < T; j++)
-            xv[j] = _mm256_loadu_si256((const __m256i *)(xp[j] + b * KS_QK));
-        /* q <= 31 and |x| <= 127: maddubs' pair sums stay far from int16 saturation */
-        for (int j = 0; j < T; j++)
-            for (int i = 0; i < R; i++)
-                p[j * R + i] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], xv[j]), ones);
-        __m256i isum = ks_hsum8x8_avx2(p);
+        for (int v = 0; v < 4; v++)
+            ks_q4x_pair_avx2(f, wp[v % R] + (int64_t)b * B, wp[(v + 4) % R] + (int64_t)b * B,
+                             R == 4, &lo[v], &hi[v]);
+        const __m256i x0 = ks_pair128_avx2((const uint8_t *)(xp[0] + b * KS_QK),
+                                           (const uint8_t *)(xp[4 / R] + b * KS_QK), T == 1);
+        const __m256i x1 = ks_pair128_avx2((const uint8_t *)(xp[0] + b * KS_QK + 16),
+                                           (const uint8_t *)(xp[4 / R] + b * KS_QK + 16), T == 1);
+        /* q <= 31 and |x| <= 127: maddubs' pair sums, and the sum of two, stay below 2^15 */
+        for (int v = 0; v < 4; v++)
+            p[v] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[v], x0),
+                                                      _mm256_maddubs_epi16(hi[v], x1)), ones);
+        __m256i isum = ks_hsum4x2_avx2(p);
         const __m256i xsum = _mm256_setr_epi32(sp[0 / R][b], sp[1 / R][b], sp[2 / R][b],
                                                sp[3 / R][b], sp[4 / R][b], sp[5 / R][b],
                                                sp[6 / R][b], sp[7 / R][b]);
@@ -306,12 +339,16 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 
 #if defined(KS_HAVE_VNNI)
 /* ---- prefill with AVX512-VNNI (chosen at run time as in ks_q8.h) -----------------------------
- * A tile of 8 rows x 4 tokens with lane i of every vector belonging to row i, as ks_q8.h's, so
+ * A tile of 8 rows x 8 tokens with lane i of every vector belonging to row i, as ks_q8.h's, so
  * vpdpbusd with a broadcast 4-byte chunk of a token adds row i's chunk product into lane i and
  * a block's 8 row sums need no horizontal adds. Here the packed 16 bytes of the rows are
  * transposed (8 rows x 4 dwords: half the work of transposing 32 unpacked bytes), and the
  * nibbles are split after: dword q's low nibbles are values 4q..4q+3, its high nibbles values
- * 16+4q..16+4q+3. The sums start at -8 or -16 times xsum (the code offset), so they are isum. */
+ * 16+4q..16+4q+3. The sums start at -8 or -16 times xsum (the code offset), so they are isum.
+ * Unpacking costs more than Q8_0's transpose, so each block feeds twice as many tokens (16
+ * would not fit the 32 registers). */
+
+#define KS_Q4X_VNNI_TOKENS 8
 
 /* Lane i's 4 bytes = 16 where bits s..s+3 of lane i's qh are set (Q5_0's bit 4 of the values
  * whose low bits sit in one transposed dword). */
@@ -334,7 +371,7 @@ KS_VNNI_TARGET static inline __attribute__((always_inline))
 void ks_q4x_tile_vnni(const int f, const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
                       const float *xd, const int32_t *xs, int tv, int nb, float res[32])
 {
-    enum { T = KS_VNNI_TOKENS };
+    enum { T = KS_Q4X_VNNI_TOKENS };
     const int B = ks_q4x_block_bytes(f), Q = ks_q4x_qs_offset(f);
     const uint8_t *wp[8];
     const int8_t *xp[T];
@@ -410,14 +447,14 @@ void ks_q4x_matmul_rows_vnni(const int f, const uint8_t *w, int64_t w_stride, co
 {
     const int nb = k / KS_QK;
     int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
-    float res[8 * KS_VNNI_TOKENS];
+    float res[8 * KS_Q4X_VNNI_TOKENS];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         ks_q4x_block_sums(xq + (int64_t)tb * k, (int64_t)(te - tb) * nb, xs);
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
-            for (int t = tb; t < te; t += KS_VNNI_TOKENS) {
-                const int tv = te - t < KS_VNNI_TOKENS ? te - t : KS_VNNI_TOKENS;
+            for (int t = tb; t < te; t += KS_Q4X_VNNI_TOKENS) {
+                const int tv = te - t < KS_Q4X_VNNI_TOKENS ? te - t : KS_Q4X_VNNI_TOKENS;
                 ks_q4x_tile_vnni(f, w + (int64_t)r * w_stride, w_stride, rv, xq + (int64_t)t * k,
                                  xd + (int64_t)t * nb, xs + (t - tb) * nb, tv, nb, res);
                 for (int j = 0; j < tv; j++)
@@ -444,7 +481,7 @@ KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_Q4X_ROWS_PARAMS) { ks_q4x
 #endif
 
 /* Same contract as ks_q4x_matmul_rows_plain. Decode (n == 1): tiles of 8 rows, prefetching the
- * next tile as ks_q8.h does; prefill: tiles of 4 rows x 2 tokens (8 rows x 4 tokens on VNNI). */
+ * next tile as ks_q8.h does; prefill: tiles of 4 rows x 2 tokens (8 rows x 8 tokens on VNNI). */
 static inline __attribute__((always_inline))
 void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
 {
