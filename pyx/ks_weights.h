@@ -18,6 +18,7 @@
 
 #include "ks_common.h"
 #include "ks_q8.h"
+#include "ks_q4.h"
 
 /* GGML's type ids (ggml.h), so a GGUF tensor's type needs no translation. */
 enum {
@@ -68,7 +69,7 @@ typedef struct {
 
 /* The types of the matrices the kernels compute on; weights of other types are converted at
  * load. (MoE routers stay F32 and are read by float dot products: ks_layer.router.) */
-static const int ks_compute_types[] = {KS_TYPE_Q8_0};
+static const int ks_compute_types[] = {KS_TYPE_Q4_0, KS_TYPE_Q4_1, KS_TYPE_Q5_0, KS_TYPE_Q8_0};
 #define KS_N_COMPUTE_TYPES ((int)(sizeof(ks_compute_types) / sizeof(ks_compute_types[0])))
 
 static inline int ks_type_supported(int type)
@@ -96,6 +97,15 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
 {
     const uint8_t *row = ks_matrix_row(w, e, r);
     switch (w->type) {
+    case KS_TYPE_Q4_0:
+        ks_q4_0_dequant_row(row, out, w->cols);
+        break;
+    case KS_TYPE_Q4_1:
+        ks_q4_1_dequant_row(row, out, w->cols);
+        break;
+    case KS_TYPE_Q5_0:
+        ks_q5_0_dequant_row(row, out, w->cols);
+        break;
     case KS_TYPE_Q8_0:
         ks_dequantize_row_q8_0(row, out, w->cols);
         break;
@@ -111,6 +121,15 @@ static inline void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, c
 {
     const uint8_t *base = w->data + (int64_t)e * w->mat_stride;
     switch (w->type) {
+    case KS_TYPE_Q4_0:
+        ks_q4_0_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
+        break;
+    case KS_TYPE_Q4_1:
+        ks_q4_1_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
+        break;
+    case KS_TYPE_Q5_0:
+        ks_q5_0_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
+        break;
     case KS_TYPE_Q8_0:
         ks_q8_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
         break;
@@ -123,6 +142,15 @@ static inline void ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t 
 {
     const uint8_t *base = w->data + (int64_t)e * w->mat_stride;
     switch (w->type) {
+    case KS_TYPE_Q4_0:
+        ks_q4_0_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
+        break;
+    case KS_TYPE_Q4_1:
+        ks_q4_1_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
+        break;
+    case KS_TYPE_Q5_0:
+        ks_q5_0_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
+        break;
     case KS_TYPE_Q8_0:
         ks_q8_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
         break;

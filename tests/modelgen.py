@@ -11,7 +11,8 @@ The two forms hold the same weights laid out the way each ecosystem writes them:
   blk.N.{attn_norm,attn_q,attn_k,attn_v,attn_output,attn_q_norm,attn_k_norm,ffn_norm,
   ffn_gate,ffn_up,ffn_down}, output_norm, output (untied only). For llama, the Q and K rows
   are permuted as `LlamaModel.permute` does (llama.cpp's llama graph rotates adjacent
-  pairs). 2-D tensors are F32, F16 or Q8_0 (gguf.quants); norm vectors stay F32.
+  pairs). 2-D tensors are F32, F16, Q8_0, Q4_0, Q4_1 or Q5_0 (gguf.quants' quantizers);
+  norm vectors stay F32.
 
 Run `python tests/modelgen.py OUT_DIR [NAME ...]` to write models for manual use.
 """
@@ -288,7 +289,10 @@ def write_hf_dir(spec: ModelSpec, weights: dict[str, np.ndarray], tok: GenTokeni
 
 GGUF_TYPES = {"f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
               "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
-              "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+              "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+              "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+              "q4_1": (gguf.GGMLQuantizationType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
+              "q5_0": (gguf.GGMLQuantizationType.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0)}
 
 
 def gguf_tensors(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -320,7 +324,7 @@ def gguf_tensors(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, n
 
 def write_gguf(spec: ModelSpec, weights: dict[str, np.ndarray], tok: GenTokenizer,
                path: Path, tensor_type: str, chat_template: str = CHAT_TEMPLATE) -> None:
-    """Write a GGUF file whose 2-D tensors are `tensor_type` ("f32" | "f16" | "q8_0")."""
+    """Write a GGUF file whose 2-D tensors are `tensor_type` (a key of GGUF_TYPES)."""
     qtype, ftype = GGUF_TYPES[tensor_type]
     w = gguf.GGUFWriter(str(path), spec.arch)
     w.add_name(spec.name)

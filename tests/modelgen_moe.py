@@ -11,7 +11,7 @@ attention weights and HF directory writer it reuses).
   .expert_feed_forward_length (and .expert_weights_norm = false when norm_topk_prob is
   off; llama.cpp's converter writes no such key and its graph always renormalizes);
   blk.N.ffn_gate_inp (router, always F32 as llama.cpp keeps it), blk.N.ffn_{gate,up,down}_exps
-  stacked (E, rows, cols), 2-D/3-D tensors F32, F16 or Q8_0.
+  stacked (E, rows, cols), 2-D/3-D tensors of any type of modelgen.GGUF_TYPES.
 
 Run `python tests/modelgen_moe.py OUT_DIR [NAME ...]` to write models for manual use.
 """

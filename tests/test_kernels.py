@@ -1,8 +1,7 @@
 """The compiled kernels (kestreld._kernels) against plain numpy references.
 
-Integer results (quantization, the int8 KV, embedding rows) must match exactly; the Q8_0
-product must match a float64 evaluation of the same Q8_0 numbers to ~1e-5 and the portable C
-twin bit for bit; float kernels match float64 references within a tolerance and print their
+Integer results (quantization, the int8 KV, embedding rows) must match exactly (the weight x
+activation product of each weight type: test_quant_kernels.py); float kernels match float64 references within a tolerance and print their
 largest difference. Every kernel also gives the same bits with 1 and 2 threads.
 """
 import platform
@@ -154,7 +153,7 @@ def test_quantize_q8_0_rounds_halves_away_from_zero():
     assert xq[0, :6].tolist() == [127, 3, -3, 1, -1, 4]
 
 
-# ---- the Q8_0 product ---------------------------------------------------------------------------
+# ---- the Q8_0 product (each type's against gguf-py: test_quant_kernels.py) ---------------
 
 def quantized_activations(rng, n, k):
     x = rng.standard_normal((n, k)).astype(np.float32)
@@ -162,39 +161,6 @@ def quantized_activations(rng, n, k):
     xd = np.empty((n, k // QK), np.float32)
     K.quantize_q8_0(x, xq, xd, 1)
     return xq, xd
-
-
-@pytest.fixture(params=[True, False], ids=["vnni-if-any", "no-vnni"])
-def vnni(request):
-    """Runs a test with the AVX512-VNNI prefill path on (where the CPU has it) and off."""
-    on = K.set_matmul_vnni(request.param)
-    yield on
-    K.set_matmul_vnni(True)
-
-
-@pytest.mark.parametrize("n,m,k", [(1, 1, 32), (1, 67, 2048), (1, 129, 256), (3, 33, 64),
-                                   (3, 5, 1024), (67, 65, 512), (67, 9, 2048), (2, 130, 96)])
-def test_matmul_q8_0_against_float64_and_plain_twin(n, m, k, vnni):
-    print(f"VNNI prefill path: {vnni}")
-    rng = np.random.default_rng(n * 7 + m * 13 + k)
-    w, wq, wd = make_q8_weights(rng, m, k, special_scales=True)
-    xq, xd = quantized_activations(rng, n, k)
-    out = np.full((n, m), np.nan, np.float32)
-    K.matmul(w, Q8_0, xq, xd, out, 2)
-    want, mag = ref_matmul_q8_0(wq, wd, xq, xd)
-    err = np.abs(out - want)
-    print(f"matmul n={n} m={m} k={k} [{K.simd_path()}]: max |diff| {err.max():.3e}, "
-          f"max |diff|/sum|terms| {(err / np.maximum(mag, 1e-30)).max():.3e}")
-    assert np.all(err <= 1e-5 * mag + 1e-30)
-
-    plain = np.full((n, m), np.nan, np.float32)
-    K.matmul_plain(w, Q8_0, xq, xd, plain, 1)
-    assert np.array_equal(out.view(np.uint32), plain.view(np.uint32)), \
-        f"SIMD ({K.simd_path()}) and plain results differ in {np.sum(out != plain)} places"
-
-    one = np.empty_like(out)
-    K.matmul(w, Q8_0, xq, xd, one, 1)
-    assert np.array_equal(out.view(np.uint32), one.view(np.uint32))
 
 
 def test_matmul_reads_read_only_weights_and_rejects_bad_shapes():
@@ -217,7 +183,7 @@ def test_matmul_reads_read_only_weights_and_rejects_bad_shapes():
     with pytest.raises(ValueError, match="nthreads"):
         K.matmul(w, Q8_0, xq, xd, out, 0)
     with pytest.raises(ValueError, match="weight type"):
-        K.matmul(w, 2, xq, xd, out, 1)          # Q4_0: not computed on (yet)
+        K.matmul(w, 1, xq, xd, out, 1)          # F16: converted at load, never computed on
 
 
 def test_dequantize_rows_is_an_exact_embedding_lookup():
@@ -519,9 +485,9 @@ def test_forward_rejects_bad_arguments():
         fwd.run(tok, 0, np.zeros((2, c.head_dim // 2), np.float32), cos, logits)
     with pytest.raises(ValueError, match="chunk of 17"):
         fwd.run(np.ones(17, np.int32), 0, cos, cos, logits)
-    q4 = Matrix(np.zeros((c.hidden, c.hidden // 32 * 18), np.uint8), QType.Q4_0, c.hidden, c.hidden)
-    bad = replace(model.weights, layers=[replace(model.weights.layers[0], wo=q4)] + model.weights.layers[1:])
-    with pytest.raises(ValueError, match="layer 0 wo is Q4_0"):
+    f16 = Matrix(np.zeros((c.hidden, c.hidden * 2), np.uint8), QType.F16, c.hidden, c.hidden)
+    bad = replace(model.weights, layers=[replace(model.weights.layers[0], wo=f16)] + model.weights.layers[1:])
+    with pytest.raises(ValueError, match="layer 0 wo is F16"):
         K.Forward(c, bad, kv, 16, 1)
     wrong = replace(model.weights, layers=[replace(model.weights.layers[0], wk=model.weights.layers[0].wq)]
                     + model.weights.layers[1:])

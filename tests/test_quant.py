@@ -1,28 +1,14 @@
 """Q8_0 conversions against gguf.quants (llama.cpp's reference rules, in numpy)."""
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
+from ggml_blocks import random_blocks
 from kestreld.model.quant import (bf16_to_f32, dequantize_q8_0, float_to_q8_0, gguf_to_q8_0,
                                    quantize_q8_0)
 
 RNG = np.random.default_rng(1234)
-
-# Byte offsets of the fp16 scales inside one block of each quantized type.
-_F16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
-               T.Q6_K: (208,)}
-
-
-def random_blocks(qtype, rows, cols):
-    """Random valid data of a quantized type: random bytes with finite fp16 scales."""
-    block, size = GGML_QUANT_SIZES[qtype]
-    raw = RNG.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for off in _F16_FIELDS[qtype]:
-        scales = (RNG.standard_normal((rows, cols // block)) * 0.01).astype(np.float16)
-        raw[:, :, off:off + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
-    return raw.reshape(rows, -1)
-
 
 def test_quantize_matches_gguf_bytes():
     x = RNG.standard_normal((37, 256)).astype(np.float32)
@@ -41,7 +27,7 @@ def test_quantize_matches_gguf_bytes():
 
 
 def test_dequantize_matches_gguf():
-    data = random_blocks(T.Q8_0, 9, 128)
+    data = random_blocks(RNG, T.Q8_0, 9, 128)
     np.testing.assert_array_equal(dequantize_q8_0(data), gq.dequantize(data, T.Q8_0))
 
 
@@ -56,7 +42,7 @@ def test_round_trip_error_is_within_rounding():
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda q: q.name)
 def test_quantized_types_to_q8_0(qtype):
-    data = random_blocks(qtype, 6, 512)
+    data = random_blocks(RNG, qtype, 6, 512)
     want_f32 = gq.dequantize(data, qtype)
     ours = gguf_to_q8_0(data, qtype)
     np.testing.assert_array_equal(ours, gq.quantize(want_f32, T.Q8_0))
@@ -75,7 +61,7 @@ def test_float_types_to_q8_0(qtype):
 
 
 def test_q8_0_is_passed_through_without_copy():
-    data = random_blocks(T.Q8_0, 4, 64)
+    data = random_blocks(RNG, T.Q8_0, 4, 64)
     assert gguf_to_q8_0(data, T.Q8_0) is data
 
 

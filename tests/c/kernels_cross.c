@@ -1,13 +1,14 @@
 /* Cross-architecture check of the kernel headers (no Python): the same pseudo-random inputs on
  * x86-64 (AVX2 or plain) and aarch64 (NEON, NEON dotprod) must give
- *   - the same quantization and Q8_0 product bits on every path (printed as hashes),
+ *   - the same quantization, dequantized rows and product bits of every weight type the
+ *     kernels compute on, on every path (printed as hashes),
  *   - a SIMD product equal bit for bit to the plain one on this machine (checked here),
  *   - attention outputs equal to within float rounding (printed as values).
  * Build and run: see tests/c/run_cross.sh. */
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "ks_q8.h"
+#include "ks_weights.h"
 #include "ks_attention.h"
 
 static uint32_t rng_state = 12345u;
@@ -21,30 +22,53 @@ static uint64_t fnv(const void *p, size_t n, uint64_t h)
     return h;
 }
 
-static int check_matmul(int n, int m, int k)
+/* Byte offsets of the fp16 scales in a block of each weight type (the rest of a block is any
+ * bytes: every bit pattern of the codes is a valid block). */
+static int scale_offsets(int type, int off[2])
 {
-    const int nb = k / KS_QK;
-    uint8_t *w = malloc((size_t)m * nb * KS_QBLOCK);
+    off[0] = 0;
+    off[1] = 2;
+    return type == KS_TYPE_Q4_1 ? 2 : 1;    /* Q4_1: d and m; Q8_0, Q4_0, Q5_0: d */
+}
+
+static int check_matmul(int type, int n, int m, int k)
+{
+    const int nb = k / KS_QK, bb = ks_type_block_bytes(type), nwb = k / ks_type_block(type);
+    const int64_t rb = ks_type_row_bytes(type, k);
+    uint8_t *w = malloc((size_t)m * rb);
     float *x = malloc(sizeof(float) * n * k), *xd = malloc(sizeof(float) * n * nb);
     int8_t *xq = malloc((size_t)n * k);
-    float *out = malloc(sizeof(float) * n * m), *ref = malloc(sizeof(float) * n * m);
-    for (int i = 0; i < m * nb; i++) {
-        uint8_t *blk = w + (size_t)i * KS_QBLOCK;
-        uint16_t h = (uint16_t)(0x2000 + rnd() % 0x1000);     /* positive fp16 scales ~1e-3..1e-2 */
-        if (i % 17 == 3) h = (uint16_t)(rnd() % 0x400);       /* subnormal */
-        blk[0] = h & 0xff; blk[1] = h >> 8;
-        for (int j = 0; j < KS_QK; j++) blk[2 + j] = (uint8_t)rnd();   /* any byte, -128 too */
-    }
+    float *out = calloc((size_t)n * m, sizeof(float)), *ref = calloc((size_t)n * m, sizeof(float));
+    float *deq = malloc(sizeof(float) * m * k);
+    int off[2];
+    const int nscales = scale_offsets(type, off);
+    for (int64_t i = 0; i < m * rb; i++) w[i] = (uint8_t)rnd();     /* any byte, -128 too */
+    for (int i = 0; i < m * nwb; i++)
+        for (int s = 0; s < nscales; s++) {
+            uint8_t *p = w + (size_t)i * bb + off[s];
+            uint16_t h = (uint16_t)(0x2000 + rnd() % 0x1000);   /* fp16 scales ~1e-3..1e-2 */
+            if (i % 17 == 3) h = (uint16_t)(rnd() % 0x400);     /* subnormal */
+            if (rnd() % 4 == 0) h |= 0x8000;                    /* negative */
+            p[0] = h & 0xff; p[1] = h >> 8;
+        }
     for (int i = 0; i < n * k; i++) x[i] = rnd_f() * 3.0f;
     for (int t = 0; t < n; t++) ks_quantize_row_q8_0(x + (size_t)t * k, xq + (size_t)t * k, xd + (size_t)t * nb, k);
-    ks_q8_matmul_rows(w, nb * KS_QBLOCK, xq, xd, n, k, out, m, 0, m);
-    ks_q8_matmul_rows_plain(w, nb * KS_QBLOCK, xq, xd, n, k, ref, m, 0, m);
+    const ks_matrix W = {w, rb, 0, type, m, k, 1};
+    ks_matrix_rows_plain(&W, 0, xq, xd, n, ref, 0, m);
+    ks_set_vnni(0);                         /* the AVX2 tiles, then VNNI where the CPU has it */
+    ks_matrix_rows(&W, 0, xq, xd, n, out, 0, m);
     int same = memcmp(out, ref, sizeof(float) * n * m) == 0;
+    ks_set_vnni(1);
+    ks_matrix_rows(&W, 0, xq, xd, n, out, 0, m);
+    same &= memcmp(out, ref, sizeof(float) * n * m) == 0;
+    for (int r = 0; r < m; r++) ks_matrix_dequant_row(&W, 0, r, deq + (size_t)r * k);
     uint64_t hq = fnv(xd, sizeof(float) * n * nb, fnv(xq, (size_t)n * k, 14695981039346656037ull));
     printf("quantize n=%d k=%d hash %016llx\n", n, k, (unsigned long long)hq);
-    printf("matmul n=%d m=%d k=%d hash %016llx simd==plain %s\n", n, m, k,
+    printf("type %d dequant m=%d k=%d hash %016llx\n", type, m, k,
+           (unsigned long long)fnv(deq, sizeof(float) * m * k, 14695981039346656037ull));
+    printf("type %d matmul n=%d m=%d k=%d hash %016llx simd==plain %s\n", type, n, m, k,
            (unsigned long long)fnv(out, sizeof(float) * n * m, 14695981039346656037ull), same ? "yes" : "NO");
-    free(w); free(x); free(xd); free(xq); free(out); free(ref);
+    free(w); free(x); free(xd); free(xq); free(out); free(ref); free(deq);
     return same;
 }
 
@@ -94,9 +118,14 @@ int main(void)
 {
     int ok = 1;
     printf("path %s\n", ks_simd_path());
-    ok &= check_matmul(1, 67, 2048);
-    ok &= check_matmul(3, 33, 256);
-    ok &= check_matmul(37, 130, 512);
+    for (int i = 0; i < KS_N_COMPUTE_TYPES; i++) {
+        const int type = ks_compute_types[i];
+        if (type == KS_TYPE_F32)
+            continue;                       /* MoE routers: float dot products, not a product here */
+        ok &= check_matmul(type, 1, 67, 2048);
+        ok &= check_matmul(type, 3, 33, 256);
+        ok &= check_matmul(type, 37, 130, 512);
+    }
     check_attention(1, 900, 4, 2, 64, 32);
     check_attention(19, 40, 6, 2, 128, 16);
     return ok ? 0 : 1;
