@@ -18,6 +18,7 @@
 
 #include "ks_common.h"
 #include "ks_q8.h"
+#include "ks_kquants.h"
 
 /* GGML's type ids (ggml.h), so a GGUF tensor's type needs no translation. */
 enum {
@@ -68,7 +69,8 @@ typedef struct {
 
 /* The types the kernels compute on (F32 only for MoE routers, read by dot products);
  * weights of other types are converted at load. */
-static const int ks_compute_types[] = {KS_TYPE_F32, KS_TYPE_Q8_0};
+static const int ks_compute_types[] = {KS_TYPE_F32, KS_TYPE_Q8_0,
+                                        KS_TYPE_Q4_K, KS_TYPE_Q5_K, KS_TYPE_Q6_K};
 #define KS_N_COMPUTE_TYPES ((int)(sizeof(ks_compute_types) / sizeof(ks_compute_types[0])))
 
 static inline int ks_type_supported(int type)
@@ -99,6 +101,9 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
     case KS_TYPE_Q8_0:
         ks_dequantize_row_q8_0(row, out, w->cols);
         break;
+    case KS_TYPE_Q4_K: ks_q4k_dequant_row(row, out, w->cols); break;
+    case KS_TYPE_Q5_K: ks_q5k_dequant_row(row, out, w->cols); break;
+    case KS_TYPE_Q6_K: ks_q6k_dequant_row(row, out, w->cols); break;
     case KS_TYPE_F32:
         memcpy(out, row, sizeof(float) * w->cols);
         break;
@@ -117,6 +122,9 @@ static inline void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, c
     case KS_TYPE_Q8_0:
         ks_q8_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
         break;
+    case KS_TYPE_Q4_K: ks_q4k_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1); break;
+    case KS_TYPE_Q5_K: ks_q5k_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1); break;
+    case KS_TYPE_Q6_K: ks_q6k_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1); break;
     }
 }
 
@@ -129,6 +137,9 @@ static inline void ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t 
     case KS_TYPE_Q8_0:
         ks_q8_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
         break;
+    case KS_TYPE_Q4_K: ks_q4k_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1); break;
+    case KS_TYPE_Q5_K: ks_q5k_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1); break;
+    case KS_TYPE_Q6_K: ks_q6k_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1); break;
     }
 }
 

@@ -36,6 +36,9 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
     _check_threads(nthreads)
     if not ks_type_supported(qtype) or qtype == KS_TYPE_F32:
         raise ValueError(f"matmul: weight type {qtype} is not one the kernels compute on")
+    if k % ks_type_block(qtype):
+        raise ValueError(f"matmul: k must be a multiple of {ks_type_block(qtype)} for weight "
+                         f"type {qtype}, got {k}")
     if w.shape[1] != ks_type_row_bytes(qtype, k):
         raise ValueError(f"matmul: w must have {ks_type_row_bytes(qtype, k)} bytes per row for "
                          f"k={k}, got {w.shape[1]}")

@@ -1,13 +1,14 @@
 /* Cross-architecture check of the kernel headers (no Python): the same pseudo-random inputs on
  * x86-64 (AVX2 or plain) and aarch64 (NEON, NEON dotprod) must give
- *   - the same quantization and Q8_0 product bits on every path (printed as hashes),
+ *   - the same quantization, dequantized rows and product bits of every weight type on every
+ *     path (printed as hashes),
  *   - a SIMD product equal bit for bit to the plain one on this machine (checked here),
  *   - attention outputs equal to within float rounding (printed as values).
  * Build and run: see tests/c/run_cross.sh. */
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "ks_q8.h"
+#include "ks_weights.h"
 #include "ks_attention.h"
 
 static uint32_t rng_state = 12345u;
@@ -21,30 +22,56 @@ static uint64_t fnv(const void *p, size_t n, uint64_t h)
     return h;
 }
 
-static int check_matmul(int n, int m, int k)
+/* A random fp16 scale: positive ~1e-3..1e-2, with subnormals, zeros and negatives mixed in. */
+static uint16_t rnd_scale(int i)
 {
-    const int nb = k / KS_QK;
-    uint8_t *w = malloc((size_t)m * nb * KS_QBLOCK);
+    if (i % 17 == 3) return (uint16_t)(rnd() % 0x400);                 /* subnormal */
+    if (i % 23 == 5) return 0;
+    return (uint16_t)((i % 13 == 7 ? 0xa000 : 0x2000) + rnd() % 0x1000); /* 0xa...: negative */
+}
+
+/* The fp16 scales of one block of each type: their offsets (-1 ends the list). */
+static const int *scale_offsets(int type)
+{
+    static const int q8[] = {0, -1}, q45k[] = {0, 2, -1}, q6k[] = {208, -1};
+    return type == KS_TYPE_Q8_0 ? q8 : type == KS_TYPE_Q6_K ? q6k : q45k;
+}
+
+/* Random weights of `type` (any code byte; fp16 scales from rnd_scale), the SIMD product
+ * against the plain one, and the hashes of the product and the dequantized rows. */
+static int check_matmul(int type, int n, int m, int k)
+{
+    const int nb = k / KS_QK, bb = ks_type_block_bytes(type), nblk = k / ks_type_block(type);
+    const int64_t rb = ks_type_row_bytes(type, k);
+    uint8_t *w = malloc((size_t)m * rb);
     float *x = malloc(sizeof(float) * n * k), *xd = malloc(sizeof(float) * n * nb);
     int8_t *xq = malloc((size_t)n * k);
     float *out = malloc(sizeof(float) * n * m), *ref = malloc(sizeof(float) * n * m);
-    for (int i = 0; i < m * nb; i++) {
-        uint8_t *blk = w + (size_t)i * KS_QBLOCK;
-        uint16_t h = (uint16_t)(0x2000 + rnd() % 0x1000);     /* positive fp16 scales ~1e-3..1e-2 */
-        if (i % 17 == 3) h = (uint16_t)(rnd() % 0x400);       /* subnormal */
-        blk[0] = h & 0xff; blk[1] = h >> 8;
-        for (int j = 0; j < KS_QK; j++) blk[2 + j] = (uint8_t)rnd();   /* any byte, -128 too */
-    }
+    float *row = malloc(sizeof(float) * k);
+    for (int64_t i = 0; i < (int64_t)m * rb; i++) w[i] = (uint8_t)rnd();     /* -128 too */
+    for (int i = 0; i < m * nblk; i++)
+        for (const int *o = scale_offsets(type); *o >= 0; o++) {
+            const uint16_t h = rnd_scale(i);
+            w[(int64_t)i * bb + *o] = h & 0xff;
+            w[(int64_t)i * bb + *o + 1] = h >> 8;
+        }
     for (int i = 0; i < n * k; i++) x[i] = rnd_f() * 3.0f;
     for (int t = 0; t < n; t++) ks_quantize_row_q8_0(x + (size_t)t * k, xq + (size_t)t * k, xd + (size_t)t * nb, k);
-    ks_q8_matmul_rows(w, nb * KS_QBLOCK, xq, xd, n, k, out, m, 0, m);
-    ks_q8_matmul_rows_plain(w, nb * KS_QBLOCK, xq, xd, n, k, ref, m, 0, m);
+    const ks_matrix W = {w, rb, rb * m, type, m, k, 1};
+    ks_matrix_rows(&W, 0, xq, xd, n, out, 0, m);
+    ks_matrix_rows_plain(&W, 0, xq, xd, n, ref, 0, m);
     int same = memcmp(out, ref, sizeof(float) * n * m) == 0;
+    uint64_t hd = 14695981039346656037ull;
+    for (int r = 0; r < m; r++) {
+        ks_matrix_dequant_row(&W, 0, r, row);
+        hd = fnv(row, sizeof(float) * k, hd);
+    }
     uint64_t hq = fnv(xd, sizeof(float) * n * nb, fnv(xq, (size_t)n * k, 14695981039346656037ull));
     printf("quantize n=%d k=%d hash %016llx\n", n, k, (unsigned long long)hq);
-    printf("matmul n=%d m=%d k=%d hash %016llx simd==plain %s\n", n, m, k,
+    printf("type %d dequant m=%d k=%d hash %016llx\n", type, m, k, (unsigned long long)hd);
+    printf("type %d matmul n=%d m=%d k=%d hash %016llx simd==plain %s\n", type, n, m, k,
            (unsigned long long)fnv(out, sizeof(float) * n * m, 14695981039346656037ull), same ? "yes" : "NO");
-    free(w); free(x); free(xd); free(xq); free(out); free(ref);
+    free(w); free(x); free(xd); free(xq); free(out); free(ref); free(row);
     return same;
 }
 
@@ -94,9 +121,12 @@ int main(void)
 {
     int ok = 1;
     printf("path %s\n", ks_simd_path());
-    ok &= check_matmul(1, 67, 2048);
-    ok &= check_matmul(3, 33, 256);
-    ok &= check_matmul(37, 130, 512);
+    static const int types[] = {KS_TYPE_Q8_0, KS_TYPE_Q4_K, KS_TYPE_Q5_K, KS_TYPE_Q6_K};
+    for (int i = 0; i < 4; i++) {
+        ok &= check_matmul(types[i], 1, 67, 2048);
+        ok &= check_matmul(types[i], 3, 33, 256);
+        ok &= check_matmul(types[i], 37, 130, 512);
+    }
     check_attention(1, 900, 4, 2, 64, 32);
     check_attention(19, 40, 6, 2, 128, 16);
     return ok ? 0 : 1;

@@ -1,0 +1,602 @@
+/* Kestrel kernels: GGML's K-quant weight types Q4_K, Q5_K and Q6_K times Q8_0 activations
+ * (no Python here).
+ *
+ * Layouts (ggml-common.h; little endian). A row of k values is k/256 superblocks:
+ *   Q4_K, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8], 128
+ *         bytes of 4-bit codes. Sub-block s (values 32s .. 32s+31) has its codes in the low
+ *         (s even) or high (s odd) nibbles of bytes 32*(s/2) .. +31; w = d*sc[s]*q - dmin*m[s].
+ *   Q5_K, 176 bytes: the same with 32 bytes of fifth bits between the scales and the codes:
+ *         bit s of byte e is bit 4 of the code of value e of sub-block s.
+ *   Q6_K, 210 bytes: 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales (one per
+ *         16 values), fp16 d; w = d*sc*(q - 32). Values 128h + 32g + e (half h, group g < 4)
+ *         take the low (g < 2) or high nibble of ql[64h + 32*(g&1) + e] and bits 2g, 2g+1 of
+ *         qh[32h + e].
+ * A 32-value activation block meets one sub-block of Q4_K/Q5_K, or two of Q6_K.
+ *
+ * The product, for output row r and token t (x = xq[t], xd[t] its Q8_0 blocks), acc starting
+ * at 0.0f, over the activation blocks j in order, with s = j % 8 and the superblock of j:
+ *   Q4_K, Q5_K:  acc = fma((float)isum_j, (d * (float)sc[s]) * xd[j], acc)
+ *                acc = fma((float)xsum_j, (-(dmin * (float)m[s])) * xd[j], acc)
+ *       isum_j = sum of q * x over the block (q the unsigned code), xsum_j = sum of x;
+ *       d * sc and dmin * m are exact (11-bit by 6-bit mantissas), so only the product with
+ *       xd and the fma round.
+ *   Q6_K:        acc = fma((float)isum_j, d * xd[j], acc)
+ *       isum_j = sc[2s] * (sum of (q - 32) * x over values 0..15 of the block)
+ *              + sc[2s+1] * (the same over values 16..31), exact in int32.
+ * Every path (plain C, AVX2, NEON, NEON dotprod) computes exactly these float operations in
+ * this order; they differ only in how the exact integer sums are formed and in computing 8
+ * (row, token) pairs at once, lane by lane. So SIMD == plain bit for bit.
+ */
+#ifndef KS_KQUANTS_H
+#define KS_KQUANTS_H
+
+#include "ks_common.h"
+#include "ks_q8.h"
+
+#define KS_QK_K 256          /* values per superblock */
+#define KS_Q4K_BYTES 144
+#define KS_Q5K_BYTES 176
+#define KS_Q6K_BYTES 210
+
+/* The three types, as the template argument of the shared code below (constant at every
+ * call, so each type gets its own specialized loops). */
+enum { KS_KQ_Q4K, KS_KQ_Q5K, KS_KQ_Q6K };
+
+static inline int ks_kq_bytes(int kind)
+{
+    return kind == KS_KQ_Q4K ? KS_Q4K_BYTES : kind == KS_KQ_Q5K ? KS_Q5K_BYTES : KS_Q6K_BYTES;
+}
+
+/* ---- unpacking (shared by the dequantization and every product path) --------------------- */
+
+/* Q4_K / Q5_K: the 6-bit scales and mins of the 8 sub-blocks from their 12 packed bytes
+ * (bytes 0-3: sc[0..3] and the top bits of sc[4..7]; 4-7: m[0..3] and the top bits of
+ * m[4..7]; 8-11: the low nibbles of sc[4..7] | m[4..7] << 4), four bytes at a time. */
+static inline void ks_kq_scales_mins(const uint8_t *p, uint8_t sc[8], uint8_t m[8])
+{
+    uint32_t a, b, c, u[4];
+    memcpy(&a, p, 4);
+    memcpy(&b, p + 4, 4);
+    memcpy(&c, p + 8, 4);
+    u[0] = a & 0x3f3f3f3fu;
+    u[1] = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
+    u[2] = b & 0x3f3f3f3fu;
+    u[3] = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
+    memcpy(sc, u, 8);
+    memcpy(m, u + 2, 8);
+}
+
+/* The 32 unsigned codes of sub-block s of a Q4_K (0..15) or Q5_K (0..31) superblock. */
+static inline void ks_kq_codes(const int kind, const uint8_t *blk, int s, uint8_t q[32])
+{
+    const uint8_t *qs = blk + (kind == KS_KQ_Q5K ? 48 : 16) + 32 * (s / 2);
+    const int shift = 4 * (s & 1);
+    for (int e = 0; e < 32; e++)
+        q[e] = (qs[e] >> shift) & 15;
+    if (kind == KS_KQ_Q5K)
+        for (int e = 0; e < 32; e++)
+            q[e] |= ((blk[16 + e] >> s) & 1) << 4;
+}
+
+/* The 32 codes minus 32 (-32..31) of activation block c (values 32c..32c+31) of a Q6_K
+ * superblock. */
+static inline void ks_q6k_codes(const uint8_t *blk, int c, int8_t q[32])
+{
+    const int h = c / 4, g = c % 4;
+    const uint8_t *ql = blk + 64 * h + 32 * (g & 1), *qh = blk + 128 + 32 * h;
+    for (int e = 0; e < 32; e++)
+        q[e] = (int8_t)((((ql[e] >> (4 * (g / 2))) & 15) | (((qh[e] >> (2 * g)) & 3) << 4)) - 32);
+}
+
+/* One row of k values -> float: w = (d*sc)*q - dmin*m (Q4_K, Q5_K), (d*sc)*(q - 32) (Q6_K),
+ * as gguf-py computes it in float32. (d*sc)*q is exact (at most 11+6+5 significant bits), so
+ * a compiler fusing the multiply and subtract changes no result. */
+static inline void ks_kq_dequant_row(const int kind, const uint8_t *restrict row,
+                                     float *restrict out, int k)
+{
+    const int bytes = ks_kq_bytes(kind);
+    for (int sb = 0; sb < k / KS_QK_K; sb++, out += KS_QK_K) {
+        const uint8_t *blk = row + (int64_t)sb * bytes;
+        if (kind == KS_KQ_Q6K) {
+            const float d = ks_fp16_to_f32(ks_load_u16le(blk + 208));
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int c = 0; c < 8; c++) {
+                int8_t q[32];
+                ks_q6k_codes(blk, c, q);
+                for (int e = 0; e < 32; e++)
+                    out[32 * c + e] = (d * (float)sc[2 * c + e / 16]) * (float)q[e];
+            }
+            continue;
+        }
+        const float d = ks_fp16_to_f32(ks_load_u16le(blk));
+        const float dmin = ks_fp16_to_f32(ks_load_u16le(blk + 2));
+        uint8_t sc[8], m[8], q[32];
+        ks_kq_scales_mins(blk + 4, sc, m);
+        for (int s = 0; s < 8; s++) {
+            const float ds = d * (float)sc[s], dm = dmin * (float)m[s];
+            ks_kq_codes(kind, blk, s, q);
+            for (int e = 0; e < 32; e++)
+                out[32 * s + e] = ds * (float)q[e] - dm;
+        }
+    }
+}
+
+/* ---- the product: plain C reference path ------------------------------------------------- */
+
+/* Rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T; w rows are w_stride bytes apart. */
+static inline void ks_kq_matmul_rows_plain(const int kind, const uint8_t *w, int64_t w_stride,
+                                           const int8_t *xq, const float *xd, int n, int k,
+                                           float *out, int m, int r0, int r1)
+{
+    const int nb = k / KS_QK, bytes = ks_kq_bytes(kind);
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *wr = w + (int64_t)r * w_stride;
+        for (int t = 0; t < n; t++) {
+            const int8_t *xt = xq + (int64_t)t * k;
+            const float *dt = xd + (int64_t)t * nb;
+            float acc = 0.0f;
+            for (int j = 0; j < nb; j++) {
+                const uint8_t *blk = wr + (int64_t)(j / 8) * bytes;
+                const int8_t *xb = xt + j * KS_QK;
+                const int s = j % 8;
+                if (kind == KS_KQ_Q6K) {
+                    const int8_t *sc = (const int8_t *)(blk + 192);
+                    int8_t q[32];
+                    int32_t sa = 0, sb = 0;
+                    ks_q6k_codes(blk, s, q);
+                    for (int e = 0; e < 16; e++) {
+                        sa += (int32_t)q[e] * xb[e];
+                        sb += (int32_t)q[e + 16] * xb[e + 16];
+                    }
+                    const int32_t isum = sc[2 * s] * sa + sc[2 * s + 1] * sb;
+                    const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk + 208));
+                    acc = KS_FMADD((float)isum, d * dt[j], acc);
+                    continue;
+                }
+                uint8_t sc[8], mn[8], q[32];
+                int32_t isum = 0, xsum = 0;
+                ks_kq_scales_mins(blk + 4, sc, mn);
+                ks_kq_codes(kind, blk, s, q);
+                for (int e = 0; e < 32; e++) {
+                    isum += (int32_t)q[e] * xb[e];
+                    xsum += xb[e];
+                }
+                const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk));
+                const float dmin = ks_fp16_to_f32_plain(ks_load_u16le(blk + 2));
+                acc = KS_FMADD((float)isum, (d * (float)sc[s]) * dt[j], acc);
+                acc = KS_FMADD((float)xsum, (-(dmin * (float)mn[s])) * dt[j], acc);
+            }
+            out[(int64_t)t * m + r] = acc;
+        }
+    }
+}
+
+/* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ----
+ * As in ks_q8.h: decode takes 8 x 1 tiles (and asks for the next tile's bytes while it
+ * computes), prefill 4 x 2 tiles, so each weight block loaded and unpacked feeds 2 tokens. */
+#if defined(KS_HAVE_SIMD_MATMUL)
+
+/* Sum of each 32-value block of x (nb blocks) as float (exact: |sum| <= 32 * 128). */
+static inline void ks_q8_block_sums(const int8_t *restrict x, int nb, float *restrict xs)
+{
+    for (int b = 0; b < nb; b++) {
+        int32_t s = 0;
+        for (int e = 0; e < KS_QK; e++)
+            s += x[b * KS_QK + e];
+        xs[b] = (float)s;
+    }
+}
+
+typedef uint8_t ks_u8x8 __attribute__((vector_size(8)));
+
+/* out[c] lane r = in[r] lane c (8 x 8 floats: unpack, 64-bit unpack, half swap) */
+KS_INLINE void ks_v8_transpose(const ks_v8 in[8], ks_v8 out[8])
+{
+    ks_v8 a[8], b[8];
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = KS_SHUFFLE2(in[2 * i], in[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        a[2 * i + 1] = KS_SHUFFLE2(in[2 * i], in[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 2; i++) {
+            b[4 * h + 2 * i] = KS_SHUFFLE2(a[4 * h + i], a[4 * h + i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            b[4 * h + 2 * i + 1] = KS_SHUFFLE2(a[4 * h + i], a[4 * h + i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    for (int c = 0; c < 4; c++) {
+        out[c] = KS_SHUFFLE2(b[c], b[4 + c], 0, 1, 2, 3, 8, 9, 10, 11);
+        out[c + 4] = KS_SHUFFLE2(b[c], b[4 + c], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+/* Q4_K / Q5_K superblock at offset off of the R rows wp: ds[s] lane l = d * sc[s] and
+ * dm[s] lane l = -(dmin * m[s]) of row l % R (exact products), s = 0..7. Each row's 8 values
+ * are computed side by side and the 8 x 8 result transposed, as every lane takes its row. */
+KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_t off,
+                                 ks_v8 ds[8], ks_v8 dm[8])
+{
+    ks_v8 a[8], b[8];
+    for (int i = 0; i < R; i++) {
+        const uint8_t *blk = wp[i] + off;
+        ks_u8x8 sc, mn;
+        ks_kq_scales_mins(blk + 4, (uint8_t *)&sc, (uint8_t *)&mn);
+        a[i] = __builtin_convertvector(sc, ks_v8) * ks_fp16_to_f32(ks_load_u16le(blk));
+        b[i] = __builtin_convertvector(mn, ks_v8) * -ks_fp16_to_f32(ks_load_u16le(blk + 2));
+    }
+    for (int i = R; i < 8; i++) {
+        a[i] = a[i % R];
+        b[i] = b[i % R];
+    }
+    ks_v8_transpose(a, ds);
+    ks_v8_transpose(b, dm);
+}
+
+/* The tile's row, token, scale and block-sum pointers; rows >= rv / tokens >= tv repeat the
+ * last valid one (their lanes are computed and dropped). */
+KS_INLINE void ks_kq_tile_ptrs(const int R, const int T, const uint8_t *w, int64_t w_stride,
+                               int rv, const int8_t *x, const float *xd, const float *xs, int tv,
+                               int nb, const uint8_t *wp[8], const int8_t *xp[8],
+                               const float *dp[8], const float *sp[8])
+{
+    for (int i = 0; i < R; i++)
+        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
+    for (int j = 0; j < T; j++) {
+        const int64_t jt = j < tv ? j : tv - 1;
+        xp[j] = x + jt * nb * KS_QK;
+        dp[j] = xd + jt * nb;
+        sp[j] = xs ? xs + jt * nb : NULL;
+    }
+}
+
+#if defined(KS_AVX2)
+KS_INLINE __m256 ks_fmadd8(__m256 a, __m256 b, __m256 acc)
+{
+#if defined(KS_HAS_FMA)
+    return _mm256_fmadd_ps(a, b, acc);
+#else
+    return _mm256_add_ps(_mm256_mul_ps(a, b), acc);
+#endif
+}
+
+/* res[j * R + i] = out value for row i, token j of the tile (Q4_K, Q5_K). xs: the tokens'
+ * block sums (ks_q8_block_sums). pf (or NULL): superblock sb prefetches pf + sb * pf_step. */
+KS_INLINE void ks_q45k_tile(const int kind, const int R, const int T, const uint8_t *w,
+                            int64_t w_stride, int rv, const int8_t *x, const float *xd,
+                            const float *xs, int tv, int nsb, float res[8], const uint8_t *pf,
+                            int64_t pf_step)
+{
+    const int nb = nsb * 8, bytes = ks_kq_bytes(kind), qoff = kind == KS_KQ_Q5K ? 48 : 16;
+    const uint8_t *wp[8];
+    const int8_t *xp[8];
+    const float *dp[8], *sp[8];
+    ks_kq_tile_ptrs(R, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m16 = _mm256_set1_epi8(0x10);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const int64_t off = (int64_t)sb * bytes;
+        if (pf)
+            ks_prefetch_rows(pf + sb * pf_step, pf_step);
+        ks_v8 ds[8], dm[8];
+        ks_kq_lane_scales(R, wp, off, ds, dm);
+        for (int s = 0; s < 8; s++) {
+            const int b = sb * 8 + s;
+            __m256i q[8], xv[8], p[8];
+            for (int i = 0; i < R; i++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wp[i] + off + qoff + 32 * (s / 2)));
+                q[i] = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                if (kind == KS_KQ_Q5K) {
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << s));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(wp[i] + off + 16));
+                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                    q[i] = _mm256_or_si256(q[i], _mm256_and_si256(set, m16));
+                }
+            }
+            for (int j = 0; j < T; j++)
+                xv[j] = _mm256_loadu_si256((const __m256i *)(xp[j] + b * KS_QK));
+            /* codes <= 31 and |x| <= 128: maddubs's int16 pair sums cannot saturate */
+            for (int j = 0; j < T; j++)
+                for (int i = 0; i < R; i++)
+                    p[j * R + i] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], xv[j]), ones);
+            const __m256 isum = _mm256_cvtepi32_ps(ks_hsum8x8_avx2(p));
+            const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
+                                             dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
+            const __m256 sx = _mm256_setr_ps(sp[0 / R][b], sp[1 / R][b], sp[2 / R][b], sp[3 / R][b],
+                                             sp[4 / R][b], sp[5 / R][b], sp[6 / R][b], sp[7 / R][b]);
+            acc = ks_fmadd8(isum, _mm256_mul_ps((__m256)ds[s], dx), acc);
+            acc = ks_fmadd8(sx, _mm256_mul_ps((__m256)dm[s], dx), acc);
+        }
+    }
+    _mm256_storeu_ps(res, acc);
+}
+
+/* The same for Q6_K (no block sums). */
+KS_INLINE void ks_q6k_tile(const int R, const int T, const uint8_t *w, int64_t w_stride, int rv,
+                           const int8_t *x, const float *xd, int tv, int nsb, float res[8],
+                           const uint8_t *pf, int64_t pf_step)
+{
+    const int nb = nsb * 8;
+    const uint8_t *wp[8];
+    const int8_t *xp[8];
+    const float *dp[8], *sp[8];
+    ks_kq_tile_ptrs(R, T, w, w_stride, rv, x, xd, NULL, tv, nb, wp, xp, dp, sp);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i b32 = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const int64_t off = (int64_t)sb * KS_Q6K_BYTES;
+        if (pf)
+            ks_prefetch_rows(pf + sb * pf_step, pf_step);
+        uint16_t h[8];
+        for (int i = 0; i < R; i++)
+            h[i] = ks_load_u16le(wp[i] + off + 208);
+        const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
+            h[0 % R], h[1 % R], h[2 % R], h[3 % R], h[4 % R], h[5 % R], h[6 % R], h[7 % R]));
+        for (int c = 0; c < 8; c++) {
+            const int b = sb * 8 + c, hf = c / 4, g = c % 4;
+            /* picks int16 scale 2g of a 128-bit lane into the low lane, 2g + 1 into the high */
+            const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * g)),
+                                                  _mm_set1_epi16((short)(0x0100 + 0x0404 * g)));
+            __m256i q[8], sc[8], xv[8], o[8], p[8];
+            for (int i = 0; i < R; i++) {
+                const uint8_t *blk = wp[i] + off;
+                const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32 * (g & 1)));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
+                const __m256i lo = _mm256_and_si256(g < 2 ? ql : _mm256_srli_epi16(ql, 4), m4);
+                const __m256i hi = g == 0 ? _mm256_slli_epi16(qh, 4) : g == 1 ? _mm256_slli_epi16(qh, 2)
+                                 : g == 2 ? qh : _mm256_srli_epi16(qh, 2);
+                q[i] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                /* the 8 int16 scales of this half in both 128-bit lanes, then the two of block c */
+                const __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * hf));
+                sc[i] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8)), pick);
+            }
+            for (int j = 0; j < T; j++) {
+                xv[j] = _mm256_loadu_si256((const __m256i *)(xp[j] + b * KS_QK));
+                o[j] = _mm256_maddubs_epi16(b32, xv[j]);
+            }
+            /* (q - 32) * x pair sums as q*x - 32*x in int16 (|.| <= 2 * 63 * 128), then the
+             * sub-blocks' scales in the pairwise add to int32 */
+            for (int j = 0; j < T; j++)
+                for (int i = 0; i < R; i++)
+                    p[j * R + i] = _mm256_madd_epi16(
+                        _mm256_sub_epi16(_mm256_maddubs_epi16(q[i], xv[j]), o[j]), sc[i]);
+            const __m256 isum = _mm256_cvtepi32_ps(ks_hsum8x8_avx2(p));
+            const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
+                                             dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
+            acc = ks_fmadd8(isum, _mm256_mul_ps(dw, dx), acc);
+        }
+    }
+    (void)sp;
+    _mm256_storeu_ps(res, acc);
+}
+
+#else /* NEON: lanes 0-3 and 4-7 are two float32x4; R >= 4, so each half has one token */
+
+KS_INLINE float32x4_t ks_v8_half(ks_v8 v, int h)
+{
+    float32x4_t r;
+    memcpy(&r, (const float *)&v + 4 * h, 16);
+    return r;
+}
+
+/* 4 int32 partial sums of w . x over 16 values */
+KS_INLINE int32x4_t ks_dot16_neon(int8x16_t w, int8x16_t x)
+{
+#if defined(KS_NEON_DOT)
+    return vdotq_s32(vdupq_n_s32(0), w, x);
+#else
+    return vpadalq_s16(vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(x))), vmull_high_s8(w, x));
+#endif
+}
+
+KS_INLINE void ks_q45k_tile(const int kind, const int R, const int T, const uint8_t *w,
+                            int64_t w_stride, int rv, const int8_t *x, const float *xd,
+                            const float *xs, int tv, int nsb, float res[8], const uint8_t *pf,
+                            int64_t pf_step)
+{
+    const int nb = nsb * 8, bytes = ks_kq_bytes(kind), qoff = kind == KS_KQ_Q5K ? 48 : 16;
+    const uint8_t *wp[8];
+    const int8_t *xp[8];
+    const float *dp[8], *sp[8];
+    ks_kq_tile_ptrs(R, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), m16 = vdupq_n_u8(0x10);
+    float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
+    for (int sb = 0; sb < nsb; sb++) {
+        const int64_t off = (int64_t)sb * bytes;
+        if (pf)
+            ks_prefetch_rows(pf + sb * pf_step, pf_step);
+        ks_v8 ds[8], dm[8];
+        ks_kq_lane_scales(R, wp, off, ds, dm);
+        for (int s = 0; s < 8; s++) {
+            const int b = sb * 8 + s;
+            int8x16_t w0[8], w1[8], x0[8], x1[8];
+            int32x4_t p[8];
+            for (int i = 0; i < R; i++) {
+                const uint8_t *qs = wp[i] + off + qoff + 32 * (s / 2);
+                uint8x16_t q0 = vld1q_u8(qs), q1 = vld1q_u8(qs + 16);
+                if (s & 1) {
+                    q0 = vshrq_n_u8(q0, 4);
+                    q1 = vshrq_n_u8(q1, 4);
+                } else {
+                    q0 = vandq_u8(q0, m4);
+                    q1 = vandq_u8(q1, m4);
+                }
+                if (kind == KS_KQ_Q5K) {
+                    const uint8x16_t bit = vdupq_n_u8((uint8_t)(1 << s));
+                    q0 = vorrq_u8(q0, vandq_u8(vtstq_u8(vld1q_u8(wp[i] + off + 16), bit), m16));
+                    q1 = vorrq_u8(q1, vandq_u8(vtstq_u8(vld1q_u8(wp[i] + off + 32), bit), m16));
+                }
+                w0[i] = vreinterpretq_s8_u8(q0);
+                w1[i] = vreinterpretq_s8_u8(q1);
+            }
+            for (int j = 0; j < T; j++) {
+                x0[j] = vld1q_s8(xp[j] + b * KS_QK);
+                x1[j] = vld1q_s8(xp[j] + b * KS_QK + 16);
+            }
+            for (int j = 0; j < T; j++)
+                for (int i = 0; i < R; i++)
+                    p[j * R + i] = ks_dot_block_neon(w0[i], w1[i], x0[j], x1[j]);
+            const float32x4_t is0 = vcvtq_f32_s32(ks_hsum4x4_neon(p[0], p[1], p[2], p[3]));
+            const float32x4_t is1 = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
+            const float dx0 = dp[0 / R][b], dx1 = dp[4 / R][b];
+            acc0 = vfmaq_f32(acc0, is0, vmulq_n_f32(ks_v8_half(ds[s], 0), dx0));
+            acc0 = vfmaq_n_f32(acc0, vmulq_n_f32(ks_v8_half(dm[s], 0), dx0), sp[0 / R][b]);
+            acc1 = vfmaq_f32(acc1, is1, vmulq_n_f32(ks_v8_half(ds[s], 1), dx1));
+            acc1 = vfmaq_n_f32(acc1, vmulq_n_f32(ks_v8_half(dm[s], 1), dx1), sp[4 / R][b]);
+        }
+    }
+    vst1q_f32(res, acc0);
+    vst1q_f32(res + 4, acc1);
+}
+
+KS_INLINE void ks_q6k_tile(const int R, const int T, const uint8_t *w, int64_t w_stride, int rv,
+                           const int8_t *x, const float *xd, int tv, int nsb, float res[8],
+                           const uint8_t *pf, int64_t pf_step)
+{
+    const int nb = nsb * 8;
+    const uint8_t *wp[8];
+    const int8_t *xp[8];
+    const float *dp[8], *sp[8];
+    ks_kq_tile_ptrs(R, T, w, w_stride, rv, x, xd, NULL, tv, nb, wp, xp, dp, sp);
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), m30 = vdupq_n_u8(0x30);
+    const int8x16_t b32 = vdupq_n_s8(32);
+    float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
+    for (int sb = 0; sb < nsb; sb++) {
+        const int64_t off = (int64_t)sb * KS_Q6K_BYTES;
+        if (pf)
+            ks_prefetch_rows(pf + sb * pf_step, pf_step);
+        uint64_t h[8];
+        for (int i = 0; i < R; i++)
+            h[i] = ks_load_u16le(wp[i] + off + 208);
+        const float32x4_t dw0 = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
+            h[0 % R] | h[1 % R] << 16 | h[2 % R] << 32 | h[3 % R] << 48)));
+        const float32x4_t dw1 = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
+            h[4 % R] | h[5 % R] << 16 | h[6 % R] << 32 | h[7 % R] << 48)));
+        for (int c = 0; c < 8; c++) {
+            const int b = sb * 8 + c, hf = c / 4, g = c % 4;
+            /* bits 2g, 2g+1 of qh to bits 4, 5 (a negative count shifts right) */
+            const int8x16_t hshift = vdupq_n_s8((int8_t)(4 - 2 * g));
+            int8x16_t w0[8], w1[8], x0[8], x1[8];
+            int32_t sa[8], sb2[8];
+            int32x4_t p[8];
+            for (int i = 0; i < R; i++) {
+                const uint8_t *blk = wp[i] + off;
+                const uint8_t *ql = blk + 64 * hf + 32 * (g & 1), *qh = blk + 128 + 32 * hf;
+                uint8x16_t l0 = vld1q_u8(ql), l1 = vld1q_u8(ql + 16);
+                if (g < 2) {
+                    l0 = vandq_u8(l0, m4);
+                    l1 = vandq_u8(l1, m4);
+                } else {
+                    l0 = vshrq_n_u8(l0, 4);
+                    l1 = vshrq_n_u8(l1, 4);
+                }
+                const uint8x16_t h0 = vandq_u8(vshlq_u8(vld1q_u8(qh), hshift), m30);
+                const uint8x16_t h1 = vandq_u8(vshlq_u8(vld1q_u8(qh + 16), hshift), m30);
+                w0[i] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l0, h0)), b32);
+                w1[i] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l1, h1)), b32);
+                sa[i] = ((const int8_t *)blk)[192 + 2 * c];
+                sb2[i] = ((const int8_t *)blk)[193 + 2 * c];
+            }
+            for (int j = 0; j < T; j++) {
+                x0[j] = vld1q_s8(xp[j] + b * KS_QK);
+                x1[j] = vld1q_s8(xp[j] + b * KS_QK + 16);
+            }
+            for (int j = 0; j < T; j++)
+                for (int i = 0; i < R; i++)
+                    p[j * R + i] = vmlaq_n_s32(vmulq_n_s32(ks_dot16_neon(w0[i], x0[j]), sa[i]),
+                                               ks_dot16_neon(w1[i], x1[j]), sb2[i]);
+            const float32x4_t is0 = vcvtq_f32_s32(ks_hsum4x4_neon(p[0], p[1], p[2], p[3]));
+            const float32x4_t is1 = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
+            acc0 = vfmaq_f32(acc0, is0, vmulq_n_f32(dw0, dp[0 / R][b]));
+            acc1 = vfmaq_f32(acc1, is1, vmulq_n_f32(dw1, dp[4 / R][b]));
+        }
+    }
+    (void)sp;
+    vst1q_f32(res, acc0);
+    vst1q_f32(res + 4, acc1);
+}
+#endif
+
+KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_t *w,
+                          int64_t w_stride, int rv, const int8_t *x, const float *xd,
+                          const float *xs, int tv, int nsb, float res[8], const uint8_t *pf,
+                          int64_t pf_step)
+{
+    if (kind == KS_KQ_Q6K)
+        ks_q6k_tile(R, T, w, w_stride, rv, x, xd, tv, nsb, res, pf, pf_step);
+    else
+        ks_q45k_tile(kind, R, T, w, w_stride, rv, x, xd, xs, tv, nsb, res, pf, pf_step);
+}
+
+/* Same contract as ks_kq_matmul_rows_plain. */
+KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_stride,
+                                 const int8_t *xq, const float *xd, int n, int k, float *out,
+                                 int m, int r0, int r1)
+{
+    const int nb = k / KS_QK, nsb = k / KS_QK_K, sums = kind != KS_KQ_Q6K;
+    float res[8];
+    if (n == 1) {
+        float xs[nb];
+        if (sums)
+            ks_q8_block_sums(xq, nb, xs);
+        for (int r = r0; r < r1; r += 8) {
+            const int rv = r1 - r < 8 ? r1 - r : 8;
+            /* the next tile of this matrix (an MoE expert's ends here), a slice per superblock */
+            const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
+            ks_kq_tile(kind, 8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, xs, 1, nsb,
+                       res, next, 8 * w_stride / nsb);
+            ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
+        }
+        return;
+    }
+    float xs[KS_PREFILL_TOKEN_BLOCK * nb];
+    for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
+        const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
+        if (sums)
+            for (int t = tb; t < te; t++)
+                ks_q8_block_sums(xq + (int64_t)t * k, nb, xs + (t - tb) * nb);
+        for (int r = r0; r < r1; r += 4) {
+            const int rv = r1 - r < 4 ? r1 - r : 4;
+            for (int t = tb; t < te; t += 2) {
+                const int tv = te - t < 2 ? te - t : 2;
+                ks_kq_tile(kind, 4, 2, w + (int64_t)r * w_stride, w_stride, rv,
+                           xq + (int64_t)t * k, xd + (int64_t)t * nb, xs + (t - tb) * nb, tv,
+                           nsb, res, NULL, 0);
+                ks_q8_store_tile(4, 2, res, out, m, r, rv, t, tv);
+            }
+        }
+    }
+}
+#else
+static inline void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_stride,
+                                 const int8_t *xq, const float *xd, int n, int k, float *out,
+                                 int m, int r0, int r1)
+{
+    ks_kq_matmul_rows_plain(kind, w, w_stride, xq, xd, n, k, out, m, r0, r1);
+}
+#endif
+
+/* ---- the entry points of each type (the weight ABI's dispatch, ks_weights.h) -------------- */
+
+#define KS_KQ_ENTRY_POINTS(name, kind)                                                         \
+    static inline void ks_##name##_dequant_row(const uint8_t *row, float *out, int k)         \
+    {                                                                                          \
+        ks_kq_dequant_row(kind, row, out, k);                                                  \
+    }                                                                                          \
+    static void ks_##name##_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *xq,  \
+                                        const float *xd, int n, int k, float *out, int m,      \
+                                        int r0, int r1)                                        \
+    {                                                                                          \
+        ks_kq_matmul_rows(kind, w, w_stride, xq, xd, n, k, out, m, r0, r1);                    \
+    }                                                                                          \
+    static void ks_##name##_matmul_rows_plain(const uint8_t *w, int64_t w_stride,              \
+                                              const int8_t *xq, const float *xd, int n, int k, \
+                                              float *out, int m, int r0, int r1)               \
+    {                                                                                          \
+        ks_kq_matmul_rows_plain(kind, w, w_stride, xq, xd, n, k, out, m, r0, r1);              \
+    }
+
+KS_KQ_ENTRY_POINTS(q4k, KS_KQ_Q4K)
+KS_KQ_ENTRY_POINTS(q5k, KS_KQ_Q5K)
+KS_KQ_ENTRY_POINTS(q6k, KS_KQ_Q6K)
+
+#endif /* KS_KQUANTS_H */
