@@ -230,24 +230,75 @@ KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_
     ks_v8_transpose(b, dm);
 }
 
-/* The tile's row, token, scale and block-sum pointers; rows >= rv / tokens >= tv repeat the
- * last valid one (their lanes are computed and dropped). */
-KS_INLINE void ks_kq_tile_ptrs(const int R, const int T, const uint8_t *w, int64_t w_stride,
-                               int rv, const int8_t *x, const float *xd, const float *xs, int tv,
-                               int nb, const uint8_t *wp[8], const int8_t *xp[8],
-                               const float *dp[8], const float *sp[8])
+/* Q6_K superblock at offset off of the R rows wp: lane l = d of row l % R. */
+KS_INLINE ks_v8 ks_q6k_lane_scales(const int R, const uint8_t *const wp[8], int64_t off)
 {
+    float d[8];
+    ks_v8 v;
     for (int i = 0; i < R; i++)
-        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
-    for (int j = 0; j < T; j++) {
-        const int64_t jt = j < tv ? j : tv - 1;
-        xp[j] = x + jt * nb * KS_QK;
-        dp[j] = xd + jt * nb;
-        sp[j] = xs ? xs + jt * nb : NULL;
-    }
+        d[i] = ks_fp16_to_f32(ks_load_u16le(wp[i] + off + 208));
+    for (int l = 0; l < 8; l++)
+        v[l] = d[l % R];
+    return v;
 }
 
 #if defined(KS_AVX2)
+/* Lane j * R + i: the exact isum of row i, token j for block s of the superblock at off
+ * (activation block b). */
+KS_INLINE __m256 ks_kq_isum(const int kind, const int R, const int T, const uint8_t *const wp[8],
+                            int64_t off, const int s, const int8_t *const xp[8], int b)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i q[8], sc[8], xv[8], o[8], p[8];
+    for (int j = 0; j < T; j++)
+        xv[j] = _mm256_loadu_si256((const __m256i *)(xp[j] + b * KS_QK));
+    if (kind == KS_KQ_Q6K) {
+        const int hf = s / 4, g = s % 4;
+        /* picks int16 scale 2g of a 128-bit lane into the low lane, 2g + 1 into the high */
+        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * g)),
+                                              _mm_set1_epi16((short)(0x0100 + 0x0404 * g)));
+        for (int i = 0; i < R; i++) {
+            const uint8_t *blk = wp[i] + off;
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32 * (g & 1)));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
+            const __m256i lo = _mm256_and_si256(g < 2 ? ql : _mm256_srli_epi16(ql, 4), m4);
+            const __m256i hi = g == 0 ? _mm256_slli_epi16(qh, 4) : g == 1 ? _mm256_slli_epi16(qh, 2)
+                             : g == 2 ? qh : _mm256_srli_epi16(qh, 2);
+            q[i] = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+            /* the 8 int16 scales of this half in both 128-bit lanes, then the two of block s */
+            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * hf));
+            sc[i] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8)), pick);
+        }
+        /* (q - 32) * x pair sums as q*x - 32*x in int16 (|.| <= 2 * 63 * 128), then the
+         * sub-blocks' scales in the pairwise add to int32 */
+        for (int j = 0; j < T; j++)
+            o[j] = _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv[j]);
+        for (int j = 0; j < T; j++)
+            for (int i = 0; i < R; i++)
+                p[j * R + i] = _mm256_madd_epi16(
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(q[i], xv[j]), o[j]), sc[i]);
+    } else {
+        const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
+        for (int i = 0; i < R; i++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wp[i] + off + qoff + 32 * (s / 2)));
+            q[i] = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+            if (kind == KS_KQ_Q5K) {
+                const __m256i bit = _mm256_set1_epi8((char)(1 << s));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(wp[i] + off + 16));
+                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                q[i] = _mm256_or_si256(q[i], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+            }
+        }
+        /* codes <= 31 and |x| <= 128: maddubs's int16 pair sums cannot saturate */
+        for (int j = 0; j < T; j++)
+            for (int i = 0; i < R; i++)
+                p[j * R + i] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], xv[j]),
+                                                 _mm256_set1_epi16(1));
+    }
+    return _mm256_cvtepi32_ps(ks_hsum8x8_avx2(p));
+}
+
+/* acc + a * b with the one rounding of KS_FMADD */
 KS_INLINE __m256 ks_fmadd8(__m256 a, __m256 b, __m256 acc)
 {
 #if defined(KS_HAS_FMA)
@@ -256,127 +307,7 @@ KS_INLINE __m256 ks_fmadd8(__m256 a, __m256 b, __m256 acc)
     return _mm256_add_ps(_mm256_mul_ps(a, b), acc);
 #endif
 }
-
-/* res[j * R + i] = out value for row i, token j of the tile (Q4_K, Q5_K). xs: the tokens'
- * block sums (ks_q8_block_sums). pf (or NULL): superblock sb prefetches pf + sb * pf_step. */
-KS_INLINE void ks_q45k_tile(const int kind, const int R, const int T, const uint8_t *w,
-                            int64_t w_stride, int rv, const int8_t *x, const float *xd,
-                            const float *xs, int tv, int nsb, float res[8], const uint8_t *pf,
-                            int64_t pf_step)
-{
-    const int nb = nsb * 8, bytes = ks_kq_bytes(kind), qoff = kind == KS_KQ_Q5K ? 48 : 16;
-    const uint8_t *wp[8];
-    const int8_t *xp[8];
-    const float *dp[8], *sp[8];
-    ks_kq_tile_ptrs(R, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m16 = _mm256_set1_epi8(0x10);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int sb = 0; sb < nsb; sb++) {
-        const int64_t off = (int64_t)sb * bytes;
-        if (pf)
-            ks_prefetch_rows(pf + sb * pf_step, pf_step);
-        ks_v8 ds[8], dm[8];
-        ks_kq_lane_scales(R, wp, off, ds, dm);
-        for (int s = 0; s < 8; s++) {
-            const int b = sb * 8 + s;
-            __m256i q[8], xv[8], p[8];
-            for (int i = 0; i < R; i++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wp[i] + off + qoff + 32 * (s / 2)));
-                q[i] = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
-                if (kind == KS_KQ_Q5K) {
-                    const __m256i bit = _mm256_set1_epi8((char)(1 << s));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(wp[i] + off + 16));
-                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-                    q[i] = _mm256_or_si256(q[i], _mm256_and_si256(set, m16));
-                }
-            }
-            for (int j = 0; j < T; j++)
-                xv[j] = _mm256_loadu_si256((const __m256i *)(xp[j] + b * KS_QK));
-            /* codes <= 31 and |x| <= 128: maddubs's int16 pair sums cannot saturate */
-            for (int j = 0; j < T; j++)
-                for (int i = 0; i < R; i++)
-                    p[j * R + i] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], xv[j]), ones);
-            const __m256 isum = _mm256_cvtepi32_ps(ks_hsum8x8_avx2(p));
-            const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
-                                             dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
-            const __m256 sx = _mm256_setr_ps(sp[0 / R][b], sp[1 / R][b], sp[2 / R][b], sp[3 / R][b],
-                                             sp[4 / R][b], sp[5 / R][b], sp[6 / R][b], sp[7 / R][b]);
-            acc = ks_fmadd8(isum, _mm256_mul_ps((__m256)ds[s], dx), acc);
-            acc = ks_fmadd8(sx, _mm256_mul_ps((__m256)dm[s], dx), acc);
-        }
-    }
-    _mm256_storeu_ps(res, acc);
-}
-
-/* The same for Q6_K (no block sums). */
-KS_INLINE void ks_q6k_tile(const int R, const int T, const uint8_t *w, int64_t w_stride, int rv,
-                           const int8_t *x, const float *xd, int tv, int nsb, float res[8],
-                           const uint8_t *pf, int64_t pf_step)
-{
-    const int nb = nsb * 8;
-    const uint8_t *wp[8];
-    const int8_t *xp[8];
-    const float *dp[8], *sp[8];
-    ks_kq_tile_ptrs(R, T, w, w_stride, rv, x, xd, NULL, tv, nb, wp, xp, dp, sp);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    const __m256i b32 = _mm256_set1_epi8(32);
-    __m256 acc = _mm256_setzero_ps();
-    for (int sb = 0; sb < nsb; sb++) {
-        const int64_t off = (int64_t)sb * KS_Q6K_BYTES;
-        if (pf)
-            ks_prefetch_rows(pf + sb * pf_step, pf_step);
-        uint16_t h[8];
-        for (int i = 0; i < R; i++)
-            h[i] = ks_load_u16le(wp[i] + off + 208);
-        const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
-            h[0 % R], h[1 % R], h[2 % R], h[3 % R], h[4 % R], h[5 % R], h[6 % R], h[7 % R]));
-        for (int c = 0; c < 8; c++) {
-            const int b = sb * 8 + c, hf = c / 4, g = c % 4;
-            /* picks int16 scale 2g of a 128-bit lane into the low lane, 2g + 1 into the high */
-            const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * g)),
-                                                  _mm_set1_epi16((short)(0x0100 + 0x0404 * g)));
-            __m256i q[8], sc[8], xv[8], o[8], p[8];
-            for (int i = 0; i < R; i++) {
-                const uint8_t *blk = wp[i] + off;
-                const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32 * (g & 1)));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
-                const __m256i lo = _mm256_and_si256(g < 2 ? ql : _mm256_srli_epi16(ql, 4), m4);
-                const __m256i hi = g == 0 ? _mm256_slli_epi16(qh, 4) : g == 1 ? _mm256_slli_epi16(qh, 2)
-                                 : g == 2 ? qh : _mm256_srli_epi16(qh, 2);
-                q[i] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
-                /* the 8 int16 scales of this half in both 128-bit lanes, then the two of block c */
-                const __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * hf));
-                sc[i] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8)), pick);
-            }
-            for (int j = 0; j < T; j++) {
-                xv[j] = _mm256_loadu_si256((const __m256i *)(xp[j] + b * KS_QK));
-                o[j] = _mm256_maddubs_epi16(b32, xv[j]);
-            }
-            /* (q - 32) * x pair sums as q*x - 32*x in int16 (|.| <= 2 * 63 * 128), then the
-             * sub-blocks' scales in the pairwise add to int32 */
-            for (int j = 0; j < T; j++)
-                for (int i = 0; i < R; i++)
-                    p[j * R + i] = _mm256_madd_epi16(
-                        _mm256_sub_epi16(_mm256_maddubs_epi16(q[i], xv[j]), o[j]), sc[i]);
-            const __m256 isum = _mm256_cvtepi32_ps(ks_hsum8x8_avx2(p));
-            const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
-                                             dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
-            acc = ks_fmadd8(isum, _mm256_mul_ps(dw, dx), acc);
-        }
-    }
-    (void)sp;
-    _mm256_storeu_ps(res, acc);
-}
-
-#else /* NEON: lanes 0-3 and 4-7 are two float32x4; R >= 4, so each half has one token */
-
-KS_INLINE float32x4_t ks_v8_half(ks_v8 v, int h)
-{
-    float32x4_t r;
-    memcpy(&r, (const float *)&v + 4 * h, 16);
-    return r;
-}
+#else /* NEON: lanes 0-3 and 4-7 are two int32x4 / float32x4; R >= 4, so each half has one token */
 
 /* 4 int32 partial sums of w . x over 16 values */
 KS_INLINE int32x4_t ks_dot16_neon(int8x16_t w, int8x16_t x)
@@ -388,143 +319,139 @@ KS_INLINE int32x4_t ks_dot16_neon(int8x16_t w, int8x16_t x)
 #endif
 }
 
-KS_INLINE void ks_q45k_tile(const int kind, const int R, const int T, const uint8_t *w,
-                            int64_t w_stride, int rv, const int8_t *x, const float *xd,
-                            const float *xs, int tv, int nsb, float res[8], const uint8_t *pf,
-                            int64_t pf_step)
+/* is[0], is[1]: lanes 0-3, 4-7 of the isums of block s (as ks_kq_isum on AVX2) */
+KS_INLINE void ks_kq_isum(const int kind, const int R, const int T, const uint8_t *const wp[8],
+                          int64_t off, const int s, const int8_t *const xp[8], int b,
+                          float32x4_t is[2])
 {
-    const int nb = nsb * 8, bytes = ks_kq_bytes(kind), qoff = kind == KS_KQ_Q5K ? 48 : 16;
-    const uint8_t *wp[8];
-    const int8_t *xp[8];
-    const float *dp[8], *sp[8];
-    ks_kq_tile_ptrs(R, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
-    const uint8x16_t m4 = vdupq_n_u8(0x0F), m16 = vdupq_n_u8(0x10);
-    float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
-    for (int sb = 0; sb < nsb; sb++) {
-        const int64_t off = (int64_t)sb * bytes;
-        if (pf)
-            ks_prefetch_rows(pf + sb * pf_step, pf_step);
-        ks_v8 ds[8], dm[8];
-        ks_kq_lane_scales(R, wp, off, ds, dm);
-        for (int s = 0; s < 8; s++) {
-            const int b = sb * 8 + s;
-            int8x16_t w0[8], w1[8], x0[8], x1[8];
-            int32x4_t p[8];
-            for (int i = 0; i < R; i++) {
-                const uint8_t *qs = wp[i] + off + qoff + 32 * (s / 2);
-                uint8x16_t q0 = vld1q_u8(qs), q1 = vld1q_u8(qs + 16);
-                if (s & 1) {
-                    q0 = vshrq_n_u8(q0, 4);
-                    q1 = vshrq_n_u8(q1, 4);
-                } else {
-                    q0 = vandq_u8(q0, m4);
-                    q1 = vandq_u8(q1, m4);
-                }
-                if (kind == KS_KQ_Q5K) {
-                    const uint8x16_t bit = vdupq_n_u8((uint8_t)(1 << s));
-                    q0 = vorrq_u8(q0, vandq_u8(vtstq_u8(vld1q_u8(wp[i] + off + 16), bit), m16));
-                    q1 = vorrq_u8(q1, vandq_u8(vtstq_u8(vld1q_u8(wp[i] + off + 32), bit), m16));
-                }
-                w0[i] = vreinterpretq_s8_u8(q0);
-                w1[i] = vreinterpretq_s8_u8(q1);
-            }
-            for (int j = 0; j < T; j++) {
-                x0[j] = vld1q_s8(xp[j] + b * KS_QK);
-                x1[j] = vld1q_s8(xp[j] + b * KS_QK + 16);
-            }
-            for (int j = 0; j < T; j++)
-                for (int i = 0; i < R; i++)
-                    p[j * R + i] = ks_dot_block_neon(w0[i], w1[i], x0[j], x1[j]);
-            const float32x4_t is0 = vcvtq_f32_s32(ks_hsum4x4_neon(p[0], p[1], p[2], p[3]));
-            const float32x4_t is1 = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
-            const float dx0 = dp[0 / R][b], dx1 = dp[4 / R][b];
-            acc0 = vfmaq_f32(acc0, is0, vmulq_n_f32(ks_v8_half(ds[s], 0), dx0));
-            acc0 = vfmaq_n_f32(acc0, vmulq_n_f32(ks_v8_half(dm[s], 0), dx0), sp[0 / R][b]);
-            acc1 = vfmaq_f32(acc1, is1, vmulq_n_f32(ks_v8_half(ds[s], 1), dx1));
-            acc1 = vfmaq_n_f32(acc1, vmulq_n_f32(ks_v8_half(dm[s], 1), dx1), sp[4 / R][b]);
-        }
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    int8x16_t w0[8], w1[8], x0[8], x1[8];
+    int32x4_t p[8];
+    for (int j = 0; j < T; j++) {
+        x0[j] = vld1q_s8(xp[j] + b * KS_QK);
+        x1[j] = vld1q_s8(xp[j] + b * KS_QK + 16);
     }
-    vst1q_f32(res, acc0);
-    vst1q_f32(res + 4, acc1);
+    if (kind == KS_KQ_Q6K) {
+        const int hf = s / 4, g = s % 4;
+        /* bits 2g, 2g+1 of qh to bits 4, 5 (a negative count shifts right) */
+        const int8x16_t hshift = vdupq_n_s8((int8_t)(4 - 2 * g));
+        const uint8x16_t m30 = vdupq_n_u8(0x30);
+        int32_t sa[8], sb[8];
+        for (int i = 0; i < R; i++) {
+            const uint8_t *blk = wp[i] + off;
+            const uint8_t *ql = blk + 64 * hf + 32 * (g & 1), *qh = blk + 128 + 32 * hf;
+            uint8x16_t l0 = vld1q_u8(ql), l1 = vld1q_u8(ql + 16);
+            l0 = g < 2 ? vandq_u8(l0, m4) : vshrq_n_u8(l0, 4);
+            l1 = g < 2 ? vandq_u8(l1, m4) : vshrq_n_u8(l1, 4);
+            const uint8x16_t h0 = vandq_u8(vshlq_u8(vld1q_u8(qh), hshift), m30);
+            const uint8x16_t h1 = vandq_u8(vshlq_u8(vld1q_u8(qh + 16), hshift), m30);
+            w0[i] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l0, h0)), vdupq_n_s8(32));
+            w1[i] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l1, h1)), vdupq_n_s8(32));
+            sa[i] = ((const int8_t *)blk)[192 + 2 * s];
+            sb[i] = ((const int8_t *)blk)[193 + 2 * s];
+        }
+        for (int j = 0; j < T; j++)
+            for (int i = 0; i < R; i++)
+                p[j * R + i] = vmlaq_n_s32(vmulq_n_s32(ks_dot16_neon(w0[i], x0[j]), sa[i]),
+                                           ks_dot16_neon(w1[i], x1[j]), sb[i]);
+    } else {
+        const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
+        for (int i = 0; i < R; i++) {
+            const uint8_t *qs = wp[i] + off + qoff + 32 * (s / 2);
+            uint8x16_t q0 = vld1q_u8(qs), q1 = vld1q_u8(qs + 16);
+            q0 = s & 1 ? vshrq_n_u8(q0, 4) : vandq_u8(q0, m4);
+            q1 = s & 1 ? vshrq_n_u8(q1, 4) : vandq_u8(q1, m4);
+            if (kind == KS_KQ_Q5K) {
+                const uint8x16_t bit = vdupq_n_u8((uint8_t)(1 << s)), m16 = vdupq_n_u8(0x10);
+                q0 = vorrq_u8(q0, vandq_u8(vtstq_u8(vld1q_u8(wp[i] + off + 16), bit), m16));
+                q1 = vorrq_u8(q1, vandq_u8(vtstq_u8(vld1q_u8(wp[i] + off + 32), bit), m16));
+            }
+            w0[i] = vreinterpretq_s8_u8(q0);
+            w1[i] = vreinterpretq_s8_u8(q1);
+        }
+        for (int j = 0; j < T; j++)
+            for (int i = 0; i < R; i++)
+                p[j * R + i] = ks_dot_block_neon(w0[i], w1[i], x0[j], x1[j]);
+    }
+    is[0] = vcvtq_f32_s32(ks_hsum4x4_neon(p[0], p[1], p[2], p[3]));
+    is[1] = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
 }
 
-KS_INLINE void ks_q6k_tile(const int R, const int T, const uint8_t *w, int64_t w_stride, int rv,
-                           const int8_t *x, const float *xd, int tv, int nsb, float res[8],
-                           const uint8_t *pf, int64_t pf_step)
+KS_INLINE float32x4_t ks_v8_half(ks_v8 v, int h)
 {
-    const int nb = nsb * 8;
-    const uint8_t *wp[8];
-    const int8_t *xp[8];
-    const float *dp[8], *sp[8];
-    ks_kq_tile_ptrs(R, T, w, w_stride, rv, x, xd, NULL, tv, nb, wp, xp, dp, sp);
-    const uint8x16_t m4 = vdupq_n_u8(0x0F), m30 = vdupq_n_u8(0x30);
-    const int8x16_t b32 = vdupq_n_s8(32);
-    float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
-    for (int sb = 0; sb < nsb; sb++) {
-        const int64_t off = (int64_t)sb * KS_Q6K_BYTES;
-        if (pf)
-            ks_prefetch_rows(pf + sb * pf_step, pf_step);
-        uint64_t h[8];
-        for (int i = 0; i < R; i++)
-            h[i] = ks_load_u16le(wp[i] + off + 208);
-        const float32x4_t dw0 = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
-            h[0 % R] | h[1 % R] << 16 | h[2 % R] << 32 | h[3 % R] << 48)));
-        const float32x4_t dw1 = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
-            h[4 % R] | h[5 % R] << 16 | h[6 % R] << 32 | h[7 % R] << 48)));
-        for (int c = 0; c < 8; c++) {
-            const int b = sb * 8 + c, hf = c / 4, g = c % 4;
-            /* bits 2g, 2g+1 of qh to bits 4, 5 (a negative count shifts right) */
-            const int8x16_t hshift = vdupq_n_s8((int8_t)(4 - 2 * g));
-            int8x16_t w0[8], w1[8], x0[8], x1[8];
-            int32_t sa[8], sb2[8];
-            int32x4_t p[8];
-            for (int i = 0; i < R; i++) {
-                const uint8_t *blk = wp[i] + off;
-                const uint8_t *ql = blk + 64 * hf + 32 * (g & 1), *qh = blk + 128 + 32 * hf;
-                uint8x16_t l0 = vld1q_u8(ql), l1 = vld1q_u8(ql + 16);
-                if (g < 2) {
-                    l0 = vandq_u8(l0, m4);
-                    l1 = vandq_u8(l1, m4);
-                } else {
-                    l0 = vshrq_n_u8(l0, 4);
-                    l1 = vshrq_n_u8(l1, 4);
-                }
-                const uint8x16_t h0 = vandq_u8(vshlq_u8(vld1q_u8(qh), hshift), m30);
-                const uint8x16_t h1 = vandq_u8(vshlq_u8(vld1q_u8(qh + 16), hshift), m30);
-                w0[i] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l0, h0)), b32);
-                w1[i] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l1, h1)), b32);
-                sa[i] = ((const int8_t *)blk)[192 + 2 * c];
-                sb2[i] = ((const int8_t *)blk)[193 + 2 * c];
-            }
-            for (int j = 0; j < T; j++) {
-                x0[j] = vld1q_s8(xp[j] + b * KS_QK);
-                x1[j] = vld1q_s8(xp[j] + b * KS_QK + 16);
-            }
-            for (int j = 0; j < T; j++)
-                for (int i = 0; i < R; i++)
-                    p[j * R + i] = vmlaq_n_s32(vmulq_n_s32(ks_dot16_neon(w0[i], x0[j]), sa[i]),
-                                               ks_dot16_neon(w1[i], x1[j]), sb2[i]);
-            const float32x4_t is0 = vcvtq_f32_s32(ks_hsum4x4_neon(p[0], p[1], p[2], p[3]));
-            const float32x4_t is1 = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
-            acc0 = vfmaq_f32(acc0, is0, vmulq_n_f32(dw0, dp[0 / R][b]));
-            acc1 = vfmaq_f32(acc1, is1, vmulq_n_f32(dw1, dp[4 / R][b]));
-        }
-    }
-    (void)sp;
-    vst1q_f32(res, acc0);
-    vst1q_f32(res + 4, acc1);
+    float32x4_t r;
+    memcpy(&r, (const float *)&v + 4 * h, 16);
+    return r;
 }
 #endif
 
+/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2. Rows
+ * >= rv / tokens >= tv repeat the last valid one (their lanes are computed and dropped).
+ * xs: the tokens' block sums (ks_q8_block_sums; Q4_K, Q5_K). pf (or NULL): superblock sb
+ * prefetches pf + sb * pf_step, pf_step bytes. */
 KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_t *w,
                           int64_t w_stride, int rv, const int8_t *x, const float *xd,
                           const float *xs, int tv, int nsb, float res[8], const uint8_t *pf,
                           int64_t pf_step)
 {
-    if (kind == KS_KQ_Q6K)
-        ks_q6k_tile(R, T, w, w_stride, rv, x, xd, tv, nsb, res, pf, pf_step);
-    else
-        ks_q45k_tile(kind, R, T, w, w_stride, rv, x, xd, xs, tv, nsb, res, pf, pf_step);
+    const int nb = nsb * 8, bytes = ks_kq_bytes(kind);
+    const uint8_t *wp[8];
+    const int8_t *xp[8];
+    const float *dp[8], *sp[8];
+    for (int i = 0; i < R; i++)
+        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
+    for (int j = 0; j < T; j++) {
+        const int64_t jt = j < tv ? j : tv - 1;
+        xp[j] = x + jt * nb * KS_QK;
+        dp[j] = xd + jt * nb;
+        sp[j] = kind == KS_KQ_Q6K ? NULL : xs + jt * nb;
+    }
+#if defined(KS_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+#else
+    float32x4_t acc[2] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+#endif
+    for (int sb = 0; sb < nsb; sb++) {
+        const int64_t off = (int64_t)sb * bytes;
+        if (pf)
+            ks_prefetch_rows(pf + sb * pf_step, pf_step);
+        ks_v8 ds[8], dm[8];      /* lane scales per block s; Q6_K: d in ds[0] for every s */
+        if (kind == KS_KQ_Q6K)
+            ds[0] = ks_q6k_lane_scales(R, wp, off);
+        else
+            ks_kq_lane_scales(R, wp, off, ds, dm);
+        for (int s = 0; s < 8; s++) {
+            const int b = sb * 8 + s;
+            const ks_v8 d = ds[kind == KS_KQ_Q6K ? 0 : s];
+#if defined(KS_AVX2)
+            const __m256 isum = ks_kq_isum(kind, R, T, wp, off, s, xp, b);
+            const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
+                                             dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
+            acc = ks_fmadd8(isum, _mm256_mul_ps((__m256)d, dx), acc);
+            if (kind != KS_KQ_Q6K) {
+                const __m256 sx = _mm256_setr_ps(sp[0 / R][b], sp[1 / R][b], sp[2 / R][b],
+                                                 sp[3 / R][b], sp[4 / R][b], sp[5 / R][b],
+                                                 sp[6 / R][b], sp[7 / R][b]);
+                acc = ks_fmadd8(sx, _mm256_mul_ps((__m256)dm[s], dx), acc);
+            }
+#else
+            float32x4_t is[2];
+            ks_kq_isum(kind, R, T, wp, off, s, xp, b, is);
+            for (int h = 0; h < 2; h++) {
+                const float dx = dp[4 * h / R][b];
+                acc[h] = vfmaq_f32(acc[h], is[h], vmulq_n_f32(ks_v8_half(d, h), dx));
+                if (kind != KS_KQ_Q6K)   /* fma(xsum, dm * dx, acc) */
+                    acc[h] = vfmaq_n_f32(acc[h], vmulq_n_f32(ks_v8_half(dm[s], h), dx), sp[4 * h / R][b]);
+            }
+#endif
+        }
+    }
+#if defined(KS_AVX2)
+    _mm256_storeu_ps(res, acc);
+#else
+    vst1q_f32(res, acc[0]);
+    vst1q_f32(res + 4, acc[1]);
+#endif
 }
 
 /* Same contract as ks_kq_matmul_rows_plain. */

@@ -1,5 +1,6 @@
-"""Shared fixtures: the generated models (written once per session into a tmp dir) and
-Hugging Face transformers running them (loaded once per session)."""
+"""Shared fixtures: the generated models (written once per session into a tmp dir),
+Hugging Face transformers running them (loaded once per session), and the kernels' VNNI
+switch."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -70,3 +71,12 @@ def zoo(tmp_path_factory) -> ModelZoo:
 def hf(zoo) -> Transformers:
     return Transformers(zoo)
 
+
+
+@pytest.fixture(params=[True, False], ids=["vnni-if-any", "no-vnni"])
+def vnni(request):
+    """Runs a test with the AVX512-VNNI prefill path on (where the CPU has it) and off."""
+    import kestreld._kernels as K
+    on = K.set_matmul_vnni(request.param)
+    yield on
+    K.set_matmul_vnni(True)

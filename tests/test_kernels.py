@@ -164,14 +164,6 @@ def quantized_activations(rng, n, k):
     return xq, xd
 
 
-@pytest.fixture(params=[True, False], ids=["vnni-if-any", "no-vnni"])
-def vnni(request):
-    """Runs a test with the AVX512-VNNI prefill path on (where the CPU has it) and off."""
-    on = K.set_matmul_vnni(request.param)
-    yield on
-    K.set_matmul_vnni(True)
-
-
 @pytest.mark.parametrize("n,m,k", [(1, 1, 32), (1, 67, 2048), (1, 129, 256), (3, 33, 64),
                                    (3, 5, 1024), (67, 65, 512), (67, 9, 2048), (2, 130, 96)])
 def test_matmul_q8_0_against_float64_and_plain_twin(n, m, k, vnni):
