@@ -51,19 +51,16 @@ static inline int ks_kq_bytes(int kind)
 
 /* Q4_K / Q5_K: the 6-bit scales and mins of the 8 sub-blocks from their 12 packed bytes
  * (bytes 0-3: sc[0..3] and the top bits of sc[4..7]; 4-7: m[0..3] and the top bits of
- * m[4..7]; 8-11: the low nibbles of sc[4..7] | m[4..7] << 4), four bytes at a time. */
-static inline void ks_kq_scales_mins(const uint8_t *p, uint8_t sc[8], uint8_t m[8])
+ * m[4..7]; 8-11: the low nibbles of sc[4..7] | m[4..7] << 4), four bytes at a time, as two
+ * 8-byte words: byte s of *sc is sc[s], of *m is m[s]. */
+static inline void ks_kq_scales_mins(const uint8_t *p, uint64_t *sc, uint64_t *m)
 {
-    uint32_t a, b, c, u[4];
+    uint32_t a, b, c;
     memcpy(&a, p, 4);
     memcpy(&b, p + 4, 4);
     memcpy(&c, p + 8, 4);
-    u[0] = a & 0x3f3f3f3fu;
-    u[1] = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
-    u[2] = b & 0x3f3f3f3fu;
-    u[3] = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
-    memcpy(sc, u, 8);
-    memcpy(m, u + 2, 8);
+    *sc = (a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+    *m = (b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
 }
 
 /* The 32 unsigned codes of sub-block s of a Q4_K (0..15) or Q5_K (0..31) superblock. */
@@ -110,10 +107,11 @@ static inline void ks_kq_dequant_row(const int kind, const uint8_t *restrict row
         }
         const float d = ks_fp16_to_f32(ks_load_u16le(blk));
         const float dmin = ks_fp16_to_f32(ks_load_u16le(blk + 2));
-        uint8_t sc[8], m[8], q[32];
-        ks_kq_scales_mins(blk + 4, sc, m);
+        uint64_t sc, m;
+        uint8_t q[32];
+        ks_kq_scales_mins(blk + 4, &sc, &m);
         for (int s = 0; s < 8; s++) {
-            const float ds = d * (float)sc[s], dm = dmin * (float)m[s];
+            const float ds = d * (float)(uint8_t)(sc >> 8 * s), dm = dmin * (float)(uint8_t)(m >> 8 * s);
             ks_kq_codes(kind, blk, s, q);
             for (int e = 0; e < 32; e++)
                 out[32 * s + e] = ds * (float)q[e] - dm;
@@ -153,9 +151,10 @@ static inline void ks_kq_matmul_rows_plain(const int kind, const uint8_t *w, int
                     acc = KS_FMADD((float)isum, d * dt[j], acc);
                     continue;
                 }
-                uint8_t sc[8], mn[8], q[32];
+                uint64_t sc, mn;
+                uint8_t q[32];
                 int32_t isum = 0, xsum = 0;
-                ks_kq_scales_mins(blk + 4, sc, mn);
+                ks_kq_scales_mins(blk + 4, &sc, &mn);
                 ks_kq_codes(kind, blk, s, q);
                 for (int e = 0; e < 32; e++) {
                     isum += (int32_t)q[e] * xb[e];
@@ -163,8 +162,10 @@ static inline void ks_kq_matmul_rows_plain(const int kind, const uint8_t *w, int
                 }
                 const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk));
                 const float dmin = ks_fp16_to_f32_plain(ks_load_u16le(blk + 2));
-                acc = KS_FMADD((float)isum, (d * (float)sc[s]) * dt[j], acc);
-                acc = KS_FMADD((float)xsum, (-(dmin * (float)mn[s])) * dt[j], acc);
+                const float dsc = d * (float)(uint8_t)(sc >> 8 * s);
+                const float dmn = dmin * (float)(uint8_t)(mn >> 8 * s);
+                acc = KS_FMADD((float)isum, dsc * dt[j], acc);
+                acc = KS_FMADD((float)xsum, (-dmn) * dt[j], acc);
             }
             out[(int64_t)t * m + r] = acc;
         }
@@ -187,60 +188,111 @@ static inline void ks_q8_block_sums(const int8_t *restrict x, int nb, float *res
     }
 }
 
-typedef uint8_t ks_u8x8 __attribute__((vector_size(8)));
+#if defined(KS_AVX2)
+typedef __m256 ks_f8;            /* 8 float lanes */
+#else
+typedef float32x4x2_t ks_f8;     /* lanes 0-3, 4-7 */
+#endif
 
-/* out[c] lane r = in[r] lane c (8 x 8 floats: unpack, 64-bit unpack, half swap) */
-KS_INLINE void ks_v8_transpose(const ks_v8 in[8], ks_v8 out[8])
-{
-    ks_v8 a[8], b[8];
-    for (int i = 0; i < 4; i++) {
-        a[2 * i] = KS_SHUFFLE2(in[2 * i], in[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-        a[2 * i + 1] = KS_SHUFFLE2(in[2 * i], in[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-    }
-    for (int h = 0; h < 2; h++)
-        for (int i = 0; i < 2; i++) {
-            b[4 * h + 2 * i] = KS_SHUFFLE2(a[4 * h + i], a[4 * h + i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-            b[4 * h + 2 * i + 1] = KS_SHUFFLE2(a[4 * h + i], a[4 * h + i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-        }
-    for (int c = 0; c < 4; c++) {
-        out[c] = KS_SHUFFLE2(b[c], b[4 + c], 0, 1, 2, 3, 8, 9, 10, 11);
-        out[c + 4] = KS_SHUFFLE2(b[c], b[4 + c], 4, 5, 6, 7, 12, 13, 14, 15);
-    }
-}
-
-/* Q4_K / Q5_K superblock at offset off of the R rows wp: ds[s] lane l = d * sc[s] and
- * dm[s] lane l = -(dmin * m[s]) of row l % R (exact products), s = 0..7. Each row's 8 values
- * are computed side by side and the 8 x 8 result transposed, as every lane takes its row. */
+/* Per superblock, the float scales each lane takes (lane l: row l % R). Q4_K / Q5_K: ds[s] =
+ * d * sc[s] and dm[s] = -(dmin * m[s]), s = 0..7 (exact products). The first 16 bytes of
+ * every row's superblock (d, dmin, the 12 scale bytes) are transposed as dwords, so that one
+ * vector holds a dword of every lane's row; ks_kq_scales_mins's bit operations then unpack all
+ * the lanes at once. */
+#if defined(KS_AVX2)
 KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_t off,
-                                 ks_v8 ds[8], ks_v8 dm[8])
+                                 ks_f8 ds[8], ks_f8 dm[8])
 {
-    ks_v8 a[8], b[8];
-    for (int i = 0; i < R; i++) {
-        const uint8_t *blk = wp[i] + off;
-        ks_u8x8 sc, mn;
-        ks_kq_scales_mins(blk + 4, (uint8_t *)&sc, (uint8_t *)&mn);
-        a[i] = __builtin_convertvector(sc, ks_v8) * ks_fp16_to_f32(ks_load_u16le(blk));
-        b[i] = __builtin_convertvector(mn, ks_v8) * -ks_fp16_to_f32(ks_load_u16le(blk + 2));
+    __m128i v[8];
+    __m256i u[4], t[4], r[4];
+    for (int i = 0; i < R; i++)
+        v[i] = _mm_loadu_si128((const __m128i *)(wp[i] + off));
+    for (int i = 0; i < 4; i++)      /* rows i and i + 4 */
+        u[i] = _mm256_set_m128i(v[(i + 4) % R], v[i % R]);
+    for (int i = 0; i < 2; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(u[2 * i], u[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(u[2 * i], u[2 * i + 1]);
     }
-    for (int i = R; i < 8; i++) {
-        a[i] = a[i % R];
-        b[i] = b[i % R];
+    r[0] = _mm256_unpacklo_epi64(t[0], t[2]);      /* dword k of lane l's row: r[k] lane l */
+    r[1] = _mm256_unpackhi_epi64(t[0], t[2]);
+    r[2] = _mm256_unpacklo_epi64(t[1], t[3]);
+    r[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+    const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f);
+    const __m256i m30 = _mm256_set1_epi8(0x30), lo16 = _mm256_set1_epi32(0xffff);
+    const __m256i sc[2] = {_mm256_and_si256(r[1], m6), _mm256_or_si256(_mm256_and_si256(r[3], m4),
+                           _mm256_and_si256(_mm256_srli_epi32(r[1], 2), m30))};
+    const __m256i mn[2] = {_mm256_and_si256(r[2], m6), _mm256_or_si256(
+                           _mm256_and_si256(_mm256_srli_epi32(r[3], 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi32(r[2], 2), m30))};
+    const __m256i dh = _mm256_and_si256(r[0], lo16), mh = _mm256_srli_epi32(r[0], 16);
+    const __m256 d = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(dh),
+                                                      _mm256_extracti128_si256(dh, 1)));
+    const __m256 ndmin = _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_cvtph_ps(_mm_packus_epi32(
+        _mm256_castsi256_si128(mh), _mm256_extracti128_si256(mh, 1))));
+    const __m256i byte = _mm256_set1_epi32(0xff);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {   /* byte s % 4 of every lane's dword */
+        const int sh = 8 * (s % 4);
+        ds[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(sc[s / 4], sh), byte)), d);
+        dm[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn[s / 4], sh), byte)), ndmin);
     }
-    ks_v8_transpose(a, ds);
-    ks_v8_transpose(b, dm);
 }
 
-/* Q6_K superblock at offset off of the R rows wp: lane l = d of row l % R. */
-KS_INLINE ks_v8 ks_q6k_lane_scales(const int R, const uint8_t *const wp[8], int64_t off)
+/* Q6_K: lane l = d of row l % R */
+KS_INLINE ks_f8 ks_q6k_lane_scales(const int R, const uint8_t *const wp[8], int64_t off)
 {
-    float d[8];
-    ks_v8 v;
+    uint16_t h[8];
     for (int i = 0; i < R; i++)
-        d[i] = ks_fp16_to_f32(ks_load_u16le(wp[i] + off + 208));
-    for (int l = 0; l < 8; l++)
-        v[l] = d[l % R];
-    return v;
+        h[i] = ks_load_u16le(wp[i] + off + 208);
+    return _mm256_cvtph_ps(_mm_setr_epi16(h[0 % R], h[1 % R], h[2 % R], h[3 % R], h[4 % R],
+                                          h[5 % R], h[6 % R], h[7 % R]));
 }
+#else
+KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_t off,
+                                 ks_f8 ds[8], ks_f8 dm[8])
+{
+    const uint32x4_t m6 = vdupq_n_u32(0x3f3f3f3fu), m4 = vdupq_n_u32(0x0f0f0f0fu);
+    const uint32x4_t m30 = vdupq_n_u32(0x30303030u), byte = vdupq_n_u32(0xff);
+    for (int h = 0; h < 2; h++) {    /* lanes 4h .. 4h + 3: rows (4h + k) % R */
+        uint32x4_t v[4];
+        for (int k = 0; k < 4; k++)
+            v[k] = vreinterpretq_u32_u8(vld1q_u8(wp[(4 * h + k) % R] + off));
+        const uint64x2_t t0 = vreinterpretq_u64_u32(vtrn1q_u32(v[0], v[1]));
+        const uint64x2_t t1 = vreinterpretq_u64_u32(vtrn2q_u32(v[0], v[1]));
+        const uint64x2_t t2 = vreinterpretq_u64_u32(vtrn1q_u32(v[2], v[3]));
+        const uint64x2_t t3 = vreinterpretq_u64_u32(vtrn2q_u32(v[2], v[3]));
+        const uint32x4_t r0 = vreinterpretq_u32_u64(vtrn1q_u64(t0, t2));   /* dword 0 of each */
+        const uint32x4_t r1 = vreinterpretq_u32_u64(vtrn1q_u64(t1, t3));
+        const uint32x4_t r2 = vreinterpretq_u32_u64(vtrn2q_u64(t0, t2));
+        const uint32x4_t r3 = vreinterpretq_u32_u64(vtrn2q_u64(t1, t3));
+        const uint32x4_t sc[2] = {vandq_u32(r1, m6),
+                                  vorrq_u32(vandq_u32(r3, m4), vandq_u32(vshrq_n_u32(r1, 2), m30))};
+        const uint32x4_t mn[2] = {vandq_u32(r2, m6),
+                                  vorrq_u32(vandq_u32(vshrq_n_u32(r3, 4), m4),
+                                            vandq_u32(vshrq_n_u32(r2, 2), m30))};
+        const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u16(vmovn_u32(r0)));
+        const float32x4_t ndmin = vnegq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vshrn_n_u32(r0, 16))));
+        for (int s = 0; s < 8; s++) {
+            const int32x4_t sh = vdupq_n_s32(-8 * (s % 4));    /* a negative count shifts right */
+            ds[s].val[h] = vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(sc[s / 4], sh), byte)), d);
+            dm[s].val[h] = vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(mn[s / 4], sh), byte)), ndmin);
+        }
+    }
+}
+
+KS_INLINE ks_f8 ks_q6k_lane_scales(const int R, const uint8_t *const wp[8], int64_t off)
+{
+    uint64_t h[8];
+    ks_f8 r;
+    for (int i = 0; i < R; i++)
+        h[i] = ks_load_u16le(wp[i] + off + 208);
+    r.val[0] = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
+        h[0 % R] | h[1 % R] << 16 | h[2 % R] << 32 | h[3 % R] << 48)));
+    r.val[1] = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
+        h[4 % R] | h[5 % R] << 16 | h[6 % R] << 32 | h[7 % R] << 48)));
+    return r;
+}
+#endif
 
 #if defined(KS_AVX2)
 /* Lane j * R + i: the exact isum of row i, token j for block s of the superblock at off
@@ -282,11 +334,11 @@ KS_INLINE __m256 ks_kq_isum(const int kind, const int R, const int T, const uint
         for (int i = 0; i < R; i++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(wp[i] + off + qoff + 32 * (s / 2)));
             q[i] = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
-            if (kind == KS_KQ_Q5K) {
-                const __m256i bit = _mm256_set1_epi8((char)(1 << s));
+            if (kind == KS_KQ_Q5K) {   /* bit s of each qh byte to bit 4 (16-bit shifts:
+                                         * no other bit lands there) */
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(wp[i] + off + 16));
-                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-                q[i] = _mm256_or_si256(q[i], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+                const __m256i hb = s < 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+                q[i] = _mm256_or_si256(q[i], _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
             }
         }
         /* codes <= 31 and |x| <= 128: maddubs's int16 pair sums cannot saturate */
@@ -377,18 +429,12 @@ KS_INLINE void ks_kq_isum(const int kind, const int R, const int T, const uint8_
     is[1] = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
 }
 
-KS_INLINE float32x4_t ks_v8_half(ks_v8 v, int h)
-{
-    float32x4_t r;
-    memcpy(&r, (const float *)&v + 4 * h, 16);
-    return r;
-}
 #endif
 
 /* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2. Rows
  * >= rv / tokens >= tv repeat the last valid one (their lanes are computed and dropped).
  * xs: the tokens' block sums (ks_q8_block_sums; Q4_K, Q5_K). pf (or NULL): superblock sb
- * prefetches pf + sb * pf_step, pf_step bytes. */
+ * prefetches the pf_step bytes at pf + sb * pf_step, an eighth per block. */
 KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_t *w,
                           int64_t w_stride, int rv, const int8_t *x, const float *xd,
                           const float *xs, int tv, int nsb, float res[8], const uint8_t *pf,
@@ -413,35 +459,37 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
 #endif
     for (int sb = 0; sb < nsb; sb++) {
         const int64_t off = (int64_t)sb * bytes;
-        if (pf)
-            ks_prefetch_rows(pf + sb * pf_step, pf_step);
-        ks_v8 ds[8], dm[8];      /* lane scales per block s; Q6_K: d in ds[0] for every s */
+        ks_f8 ds[8], dm[8];      /* lane scales per block s; Q6_K: d in ds[0] for every s */
         if (kind == KS_KQ_Q6K)
             ds[0] = ks_q6k_lane_scales(R, wp, off);
         else
             ks_kq_lane_scales(R, wp, off, ds, dm);
+        /* unrolled: each block's offsets, shifts and shuffle controls become constants */
+#pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
             const int b = sb * 8 + s;
-            const ks_v8 d = ds[kind == KS_KQ_Q6K ? 0 : s];
+            const ks_f8 d = ds[kind == KS_KQ_Q6K ? 0 : s];
+            if (pf)      /* an eighth of the superblock's slice per block: spread requests */
+                ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8);
 #if defined(KS_AVX2)
             const __m256 isum = ks_kq_isum(kind, R, T, wp, off, s, xp, b);
             const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
                                              dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
-            acc = ks_fmadd8(isum, _mm256_mul_ps((__m256)d, dx), acc);
+            acc = ks_fmadd8(isum, _mm256_mul_ps(d, dx), acc);
             if (kind != KS_KQ_Q6K) {
                 const __m256 sx = _mm256_setr_ps(sp[0 / R][b], sp[1 / R][b], sp[2 / R][b],
                                                  sp[3 / R][b], sp[4 / R][b], sp[5 / R][b],
                                                  sp[6 / R][b], sp[7 / R][b]);
-                acc = ks_fmadd8(sx, _mm256_mul_ps((__m256)dm[s], dx), acc);
+                acc = ks_fmadd8(sx, _mm256_mul_ps(dm[s], dx), acc);
             }
 #else
             float32x4_t is[2];
             ks_kq_isum(kind, R, T, wp, off, s, xp, b, is);
             for (int h = 0; h < 2; h++) {
                 const float dx = dp[4 * h / R][b];
-                acc[h] = vfmaq_f32(acc[h], is[h], vmulq_n_f32(ks_v8_half(d, h), dx));
+                acc[h] = vfmaq_f32(acc[h], is[h], vmulq_n_f32(d.val[h], dx));
                 if (kind != KS_KQ_Q6K)   /* fma(xsum, dm * dx, acc) */
-                    acc[h] = vfmaq_n_f32(acc[h], vmulq_n_f32(ks_v8_half(dm[s], h), dx), sp[4 * h / R][b]);
+                    acc[h] = vfmaq_n_f32(acc[h], vmulq_n_f32(dm[s].val[h], dx), sp[4 * h / R][b]);
             }
 #endif
         }
