@@ -23,9 +23,10 @@
  *   Q6_K:        acc = fma((float)isum_j, d * xd[j], acc)
  *       isum_j = sc[2s] * (sum of (q - 32) * x over values 0..15 of the block)
  *              + sc[2s+1] * (the same over values 16..31), exact in int32.
- * Every path (plain C, AVX2, NEON, NEON dotprod) computes exactly these float operations in
- * this order; they differ only in how the exact integer sums are formed and in computing 8
- * (row, token) pairs at once, lane by lane. So SIMD == plain bit for bit.
+ * Every path (plain C, AVX2, AVX512-VNNI, NEON, NEON dotprod) computes exactly these float
+ * operations in this order; they differ only in how the exact integer sums are formed and in
+ * computing 8 or 32 (row, token) pairs at once, lane by lane. So SIMD == plain bit for bit.
+ * (Little endian only, as GGUF files are: the scale words are read four bytes at a time.)
  */
 #ifndef KS_KQUANTS_H
 #define KS_KQUANTS_H
@@ -179,7 +180,8 @@ static inline void ks_kq_matmul_rows_plain(const int kind, const uint8_t *w, int
 
 /* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ----
  * As in ks_q8.h: decode takes 8 x 1 tiles (and asks for the next tile's bytes while it
- * computes), prefill 4 x 2 tiles, so each weight block loaded and unpacked feeds 2 tokens. */
+ * computes), prefill 4 x 2 tiles, so each weight block loaded and unpacked feeds 2 tokens.
+ * The per-block scales of the 8 lanes are unpacked once per superblock. */
 #if defined(KS_HAVE_SIMD_MATMUL)
 
 /* Sum of each 32-value block of x (nb blocks) as float (exact: |sum| <= 32 * 128). */
