@@ -1,0 +1,89 @@
+"""Single-thread microbenchmark of the weight x activation products, per weight type:
+
+- decode (n = 1): weight GB/s over three matrices of --decode-gb in all (larger than the
+  caches), one after the other, as a decode step reads its layers' matrices;
+- prefill (n = 64): GMAC/s on a 4096 x 4096 matrix, with the AVX512-VNNI path on and off
+  (the same where the CPU has none).
+
+Random codes and scales (speed does not depend on the values). Best and median of --reps.
+Run it on a quiet machine, at the highest priority the shell allows, e.g.
+    setsid --wait bash -c 'echo -19 > /proc/$$/autogroup; exec .venv/bin/python bench/kernels.py'
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import kquant_blocks  # tests/: valid K-quant blocks
+from kestreld.kernels import K
+
+TYPES = (QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
+def random_matrix(rng, qtype, rows, cols):
+    """Random rows of qtype with finite fp16 scales."""
+    if qtype != QT.Q8_0:
+        return kquant_blocks.random_blocks(rng, qtype, rows, cols)
+    b = rng.integers(0, 256, size=(rows, cols // 32, 34), dtype=np.uint8)
+    b[:, :, :2] = np.full((rows, cols // 32), 0.01, np.float16).view(np.uint8).reshape(rows, -1, 2)
+    return b.reshape(rows, -1)
+
+
+def activations(rng, n, k):
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    xq, xd = np.empty((n, k), np.int8), np.empty((n, k // 32), np.float32)
+    K.quantize_q8_0(x, xq, xd, 1)
+    return xq, xd
+
+
+def timed(f, reps):
+    f()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return min(ts), statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--decode-gb", type=float, default=1.6, help="weight bytes of the decode case")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    k = 8192
+    xq, xd = activations(rng, 1, k)
+    for qt in TYPES:
+        block, size = GGML_QUANT_SIZES[qt]
+        rows = int(args.decode_gb * 1e9 / 3 / (k // block * size)) // 8 * 8
+        mats = [random_matrix(rng, qt, rows, k) for _ in range(3)]
+        out = np.empty((1, rows), np.float32)
+        best, med = timed(lambda: [K.matmul(w, int(qt), xq, xd, out, 1) for w in mats], args.reps)
+        gb = sum(w.nbytes for w in mats) / 1e9
+        print(f"decode  {qt.name:5} {gb / best:6.2f} GB/s best, {gb / med:6.2f} median "
+              f"({3 * rows * k / best / 1e9:.2f} GMAC/s)", flush=True)
+        mats.clear()    # free them before the next type's
+    m = k = 4096
+    n = 64
+    xq, xd = activations(rng, n, k)
+    out = np.empty((n, m), np.float32)
+    for qt in TYPES:
+        w = random_matrix(rng, qt, m, k)
+        for vnni in (True, False):
+            on = K.set_matmul_vnni(vnni)
+            best, med = timed(lambda: K.matmul(w, int(qt), xq, xd, out, 1), args.reps)
+            print(f"prefill {qt.name:5} n={n} {'vnni' if on else 'simd'}: {m * k * n / best / 1e9:6.2f} "
+                  f"GMAC/s best, {m * k * n / med / 1e9:6.2f} median", flush=True)
+    K.set_matmul_vnni(True)
+
+
+if __name__ == "__main__":
+    main()
