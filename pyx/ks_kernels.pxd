@@ -66,8 +66,10 @@ cdef extern from "ks_weights.h" nogil:
         int32_t type
         int32_t rows, cols
         int32_t n_mat
-    int KS_N_COMPUTE_TYPES
-    const int *ks_compute_types
+    int KS_N_TYPES
+    ctypedef struct ks_type_ops:
+        int type
+    const ks_type_ops *ks_types
     int ks_type_supported(int type)
     int64_t ks_type_row_bytes(int type, int64_t cols)
     int ks_type_block(int type)

@@ -8,10 +8,14 @@
  * LayerWeights, ModelWeights); pyx/forward.pxi builds these structs from those dataclasses
  * by field name.
  *
- * The operations every type provides, dispatched here on ks_matrix.type:
- *   ks_matrix_row_bytes    bytes of one row of `cols` values
+ * The operations every type the kernels compute on provides (one row of ks_type_ops,
+ * below), dispatched here on ks_matrix.type:
+ *   ks_type_row_bytes      bytes of one row of `cols` values
  *   ks_matrix_dequant_row  one row as float32 (token embeddings)
- *   ks_matrix_rows         rows [r0, r1) of out (n, rows) = W . x^T, x quantized to Q8_0
+ *   ks_matrix_rows         rows [r0, r1) of out (n, rows) = W . x^T, x quantized to Q8_0,
+ *                          and ks_matrix_rows_plain, its plain C twin (same bits)
+ * Each type's header (ks_q8.h, ks_q4.h, ks_kquants.h) says the exact order of its float
+ * operations, which all its paths (SIMD and plain) follow.
  */
 #ifndef KS_WEIGHTS_H
 #define KS_WEIGHTS_H
@@ -19,6 +23,7 @@
 #include "ks_common.h"
 #include "ks_q8.h"
 #include "ks_q4.h"
+#include "ks_kquants.h"
 
 /* GGML's type ids (ggml.h), so a GGUF tensor's type needs no translation. */
 enum {
@@ -32,32 +37,6 @@ enum {
     KS_TYPE_Q6_K = 14,
 };
 
-/* Values and bytes per block of each type (GGML's layouts); 0: not a type Kestrel knows. */
-static inline int ks_type_block(int type)
-{
-    switch (type) {
-    case KS_TYPE_F32: return 1;
-    case KS_TYPE_Q4_0: case KS_TYPE_Q4_1: case KS_TYPE_Q5_0: case KS_TYPE_Q8_0: return 32;
-    case KS_TYPE_Q4_K: case KS_TYPE_Q5_K: case KS_TYPE_Q6_K: return 256;
-    default: return 0;
-    }
-}
-
-static inline int ks_type_block_bytes(int type)
-{
-    switch (type) {
-    case KS_TYPE_F32: return 4;
-    case KS_TYPE_Q4_0: return 18;
-    case KS_TYPE_Q4_1: return 20;
-    case KS_TYPE_Q5_0: return 22;
-    case KS_TYPE_Q8_0: return KS_QBLOCK;
-    case KS_TYPE_Q4_K: return 144;
-    case KS_TYPE_Q5_K: return 176;
-    case KS_TYPE_Q6_K: return 210;
-    default: return 0;
-    }
-}
-
 typedef struct {
     const uint8_t *data;      /* row r of matrix e at data + e * mat_stride + r * row_stride */
     int64_t row_stride;       /* bytes between rows */
@@ -67,24 +46,60 @@ typedef struct {
     int32_t n_mat;            /* 1, or the number of stacked experts */
 } ks_matrix;
 
-/* The types of the matrices the kernels compute on; weights of other types are converted at
- * load. (MoE routers stay F32 and are read by float dot products: ks_layer.router.) */
-static const int ks_compute_types[] = {KS_TYPE_Q4_0, KS_TYPE_Q4_1, KS_TYPE_Q5_0, KS_TYPE_Q8_0};
-#define KS_N_COMPUTE_TYPES ((int)(sizeof(ks_compute_types) / sizeof(ks_compute_types[0])))
+/* rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T, w rows w_stride bytes apart */
+typedef void (*ks_rows_fn)(const uint8_t *w, int64_t w_stride, const int8_t *xq, const float *xd,
+                           int n, int k, float *out, int m, int r0, int r1);
+typedef void (*ks_dequant_fn)(const uint8_t *row, float *out, int k);
 
+/* What a weight type is and, for the types the kernels compute on, its kernels. */
+typedef struct {
+    int type, block, block_bytes;     /* values and bytes per block (GGML's layouts) */
+    ks_dequant_fn dequant_row;        /* NULL: the kernels do not compute on it */
+    ks_rows_fn rows, rows_plain;
+} ks_type_ops;
+
+static const ks_type_ops ks_types[] = {
+    {KS_TYPE_F32, 1, 4, NULL, NULL, NULL},       /* MoE routers: float dot products */
+    {KS_TYPE_Q4_0, 32, 18, ks_q4_0_dequant_row, ks_q4_0_matmul_rows, ks_q4_0_matmul_rows_plain},
+    {KS_TYPE_Q4_1, 32, 20, ks_q4_1_dequant_row, ks_q4_1_matmul_rows, ks_q4_1_matmul_rows_plain},
+    {KS_TYPE_Q5_0, 32, 22, ks_q5_0_dequant_row, ks_q5_0_matmul_rows, ks_q5_0_matmul_rows_plain},
+    {KS_TYPE_Q8_0, 32, KS_QBLOCK, ks_dequantize_row_q8_0, ks_q8_matmul_rows,
+     ks_q8_matmul_rows_plain},
+    {KS_TYPE_Q4_K, 256, 144, ks_q4k_dequant_row, ks_q4k_matmul_rows, ks_q4k_matmul_rows_plain},
+    {KS_TYPE_Q5_K, 256, 176, ks_q5k_dequant_row, ks_q5k_matmul_rows, ks_q5k_matmul_rows_plain},
+    {KS_TYPE_Q6_K, 256, 210, ks_q6k_dequant_row, ks_q6k_matmul_rows, ks_q6k_matmul_rows_plain},
+};
+#define KS_N_TYPES ((int)(sizeof(ks_types) / sizeof(ks_types[0])))
+
+/* The type's row of ks_types, or NULL for a type Kestrel does not know. */
+static inline const ks_type_ops *ks_type(int type)
+{
+    for (int i = 0; i < KS_N_TYPES; i++)
+        if (ks_types[i].type == type)
+            return &ks_types[i];
+    return NULL;
+}
+
+/* Whether the kernels compute on matrices of this type; weights of other types are
+ * converted at load. (MoE routers stay F32 and are read by float dot products.) */
 static inline int ks_type_supported(int type)
 {
-    for (int i = 0; i < KS_N_COMPUTE_TYPES; i++)
-        if (ks_compute_types[i] == type)
-            return 1;
-    return 0;
+    const ks_type_ops *t = ks_type(type);
+    return t != NULL && t->rows != NULL;
+}
+
+/* Values per block of the type (cols must be a multiple of it); 0 if unknown. */
+static inline int ks_type_block(int type)
+{
+    const ks_type_ops *t = ks_type(type);
+    return t ? t->block : 0;
 }
 
 /* Bytes of one row of `cols` values (cols a multiple of the type's block), 0 if unknown. */
 static inline int64_t ks_type_row_bytes(int type, int64_t cols)
 {
-    const int block = ks_type_block(type);
-    return block ? cols / block * ks_type_block_bytes(type) : 0;
+    const ks_type_ops *t = ks_type(type);
+    return t ? cols / t->block * t->block_bytes : 0;
 }
 
 static inline const uint8_t *ks_matrix_row(const ks_matrix *w, int e, int r)
@@ -92,24 +107,10 @@ static inline const uint8_t *ks_matrix_row(const ks_matrix *w, int e, int r)
     return w->data + (int64_t)e * w->mat_stride + (int64_t)r * w->row_stride;
 }
 
-/* Row r of matrix e as float32 (cols values). */
+/* Row r of matrix e as float32 (cols values); w's type is one the kernels compute on. */
 static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float *out)
 {
-    const uint8_t *row = ks_matrix_row(w, e, r);
-    switch (w->type) {
-    case KS_TYPE_Q4_0:
-        ks_q4_0_dequant_row(row, out, w->cols);
-        break;
-    case KS_TYPE_Q4_1:
-        ks_q4_1_dequant_row(row, out, w->cols);
-        break;
-    case KS_TYPE_Q5_0:
-        ks_q5_0_dequant_row(row, out, w->cols);
-        break;
-    case KS_TYPE_Q8_0:
-        ks_dequantize_row_q8_0(row, out, w->cols);
-        break;
-    }
+    ks_type(w->type)->dequant_row(ks_matrix_row(w, e, r), out, w->cols);
 }
 
 /* Rows [r0, r1) of out (n, rows) = matrix e of w (rows, cols) . x^T, for the n activation
@@ -119,42 +120,16 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
 static inline void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
                                   int n, float *out, int r0, int r1)
 {
-    const uint8_t *base = w->data + (int64_t)e * w->mat_stride;
-    switch (w->type) {
-    case KS_TYPE_Q4_0:
-        ks_q4_0_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
-        break;
-    case KS_TYPE_Q4_1:
-        ks_q4_1_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
-        break;
-    case KS_TYPE_Q5_0:
-        ks_q5_0_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
-        break;
-    case KS_TYPE_Q8_0:
-        ks_q8_matmul_rows(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
-        break;
-    }
+    ks_type(w->type)->rows(w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, n,
+                           w->cols, out, w->rows, r0, r1);
 }
 
 /* The plain C twin of ks_matrix_rows (the reference every SIMD path must equal exactly). */
 static inline void ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *xq,
                                         const float *xd, int n, float *out, int r0, int r1)
 {
-    const uint8_t *base = w->data + (int64_t)e * w->mat_stride;
-    switch (w->type) {
-    case KS_TYPE_Q4_0:
-        ks_q4_0_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
-        break;
-    case KS_TYPE_Q4_1:
-        ks_q4_1_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
-        break;
-    case KS_TYPE_Q5_0:
-        ks_q5_0_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
-        break;
-    case KS_TYPE_Q8_0:
-        ks_q8_matmul_rows_plain(base, w->row_stride, xq, xd, n, w->cols, out, w->rows, r0, r1);
-        break;
-    }
+    ks_type(w->type)->rows_plain(w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, n,
+                                 w->cols, out, w->rows, r0, r1);
 }
 
 #endif /* KS_WEIGHTS_H */

@@ -24,7 +24,7 @@ def quantize_q8_0(const float[:, ::1] x, int8_t[:, ::1] xq, float[:, ::1] xd, in
 
 def compute_types():
     """The GGML type ids the kernels compute on in place (ks_weights.h)."""
-    return tuple(ks_compute_types[i] for i in range(KS_N_COMPUTE_TYPES))
+    return tuple(ks_types[i].type for i in range(KS_N_TYPES) if ks_type_supported(ks_types[i].type))
 
 
 cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
@@ -36,6 +36,9 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
     _check_threads(nthreads)
     if not ks_type_supported(qtype):
         raise ValueError(f"matmul: weight type {qtype} is not one the kernels compute on")
+    if k % ks_type_block(qtype):
+        raise ValueError(f"matmul: k must be a multiple of {ks_type_block(qtype)} for weight "
+                         f"type {qtype}, got {k}")
     if w.shape[1] != ks_type_row_bytes(qtype, k):
         raise ValueError(f"matmul: w must have {ks_type_row_bytes(qtype, k)} bytes per row for "
                          f"k={k}, got {w.shape[1]}")

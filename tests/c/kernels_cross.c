@@ -22,30 +22,31 @@ static uint64_t fnv(const void *p, size_t n, uint64_t h)
     return h;
 }
 
-/* Byte offsets of the fp16 scales in a block of each weight type (the rest of a block is any
- * bytes: every bit pattern of the codes is a valid block). */
-static int scale_offsets(int type, int off[2])
+/* The fp16 scales of one block of each type: their offsets (-1 ends the list); the rest of
+ * a block is any bytes: every bit pattern of the codes is a valid block. */
+static const int *scale_offsets(int type)
 {
-    off[0] = 0;
-    off[1] = 2;
-    return type == KS_TYPE_Q4_1 ? 2 : 1;    /* Q4_1: d and m; Q8_0, Q4_0, Q5_0: d */
+    static const int d[] = {0, -1}, dm[] = {0, 2, -1}, q6k[] = {208, -1};
+    switch (type) {
+    case KS_TYPE_Q4_1: case KS_TYPE_Q4_K: case KS_TYPE_Q5_K: return dm;
+    case KS_TYPE_Q6_K: return q6k;
+    default: return d;                      /* Q8_0, Q4_0, Q5_0 */
+    }
 }
 
 static int check_matmul(int type, int n, int m, int k)
 {
-    const int nb = k / KS_QK, bb = ks_type_block_bytes(type), nwb = k / ks_type_block(type);
+    const int nb = k / KS_QK, bb = ks_type(type)->block_bytes, nwb = k / ks_type_block(type);
     const int64_t rb = ks_type_row_bytes(type, k);
     uint8_t *w = malloc((size_t)m * rb);
     float *x = malloc(sizeof(float) * n * k), *xd = malloc(sizeof(float) * n * nb);
     int8_t *xq = malloc((size_t)n * k);
     float *out = calloc((size_t)n * m, sizeof(float)), *ref = calloc((size_t)n * m, sizeof(float));
     float *deq = malloc(sizeof(float) * m * k);
-    int off[2];
-    const int nscales = scale_offsets(type, off);
     for (int64_t i = 0; i < m * rb; i++) w[i] = (uint8_t)rnd();     /* any byte, -128 too */
     for (int i = 0; i < m * nwb; i++)
-        for (int s = 0; s < nscales; s++) {
-            uint8_t *p = w + (size_t)i * bb + off[s];
+        for (const int *o = scale_offsets(type); *o >= 0; o++) {
+            uint8_t *p = w + (size_t)i * bb + *o;
             uint16_t h = (uint16_t)(0x2000 + rnd() % 0x1000);   /* fp16 scales ~1e-3..1e-2 */
             if (i % 17 == 3) h = (uint16_t)(rnd() % 0x400);     /* subnormal */
             if (rnd() % 4 == 0) h |= 0x8000;                    /* negative */
@@ -118,10 +119,10 @@ int main(void)
 {
     int ok = 1;
     printf("path %s\n", ks_simd_path());
-    for (int i = 0; i < KS_N_COMPUTE_TYPES; i++) {
-        const int type = ks_compute_types[i];
-        if (type == KS_TYPE_F32)
-            continue;                       /* MoE routers: float dot products, not a product here */
+    for (int i = 0; i < KS_N_TYPES; i++) {
+        const int type = ks_types[i].type;
+        if (!ks_type_supported(type))
+            continue;                       /* MoE routers' F32: float dot products, not here */
         ok &= check_matmul(type, 1, 67, 2048);
         ok &= check_matmul(type, 3, 33, 256);
         ok &= check_matmul(type, 37, 130, 512);

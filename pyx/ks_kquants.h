@@ -1,0 +1,799 @@
+/* Kestrel kernels: GGML's K-quant weight types Q4_K, Q5_K and Q6_K times Q8_0 activations
+ * (no Python here).
+ *
+ * Layouts (ggml-common.h; little endian). A row of k values is k/256 superblocks:
+ *   Q4_K, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8], 128
+ *         bytes of 4-bit codes. Sub-block s (values 32s .. 32s+31) has its codes in the low
+ *         (s even) or high (s odd) nibbles of bytes 32*(s/2) .. +31; w = d*sc[s]*q - dmin*m[s].
+ *   Q5_K, 176 bytes: the same with 32 bytes of fifth bits between the scales and the codes:
+ *         bit s of byte e is bit 4 of the code of value e of sub-block s.
+ *   Q6_K, 210 bytes: 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales (one per
+ *         16 values), fp16 d; w = d*sc*(q - 32). Values 128h + 32g + e (half h, group g < 4)
+ *         take the low (g < 2) or high nibble of ql[64h + 32*(g&1) + e] and bits 2g, 2g+1 of
+ *         qh[32h + e].
+ * A 32-value activation block meets one sub-block of Q4_K/Q5_K, or two of Q6_K.
+ *
+ * The product, for output row r and token t (x = xq[t], xd[t] its Q8_0 blocks), acc starting
+ * at 0.0f, over the activation blocks j in order, with s = j % 8 and the superblock of j:
+ *   Q4_K, Q5_K:  acc = fma((float)isum_j, (d * (float)sc[s]) * xd[j], acc)
+ *                acc = fma((float)xsum_j, (-(dmin * (float)m[s])) * xd[j], acc)
+ *       isum_j = sum of q * x over the block (q the unsigned code), xsum_j = sum of x;
+ *       d * sc and dmin * m are exact (11-bit by 6-bit mantissas), so only the product with
+ *       xd and the fma round.
+ *   Q6_K:        acc = fma((float)isum_j, d * xd[j], acc)
+ *       isum_j = sc[2s] * (sum of (q - 32) * x over values 0..15 of the block)
+ *              + sc[2s+1] * (the same over values 16..31), exact in int32.
+ * Every path (plain C, AVX2, AVX512-VNNI, NEON, NEON dotprod) computes exactly these float
+ * operations in this order; they differ only in how the exact integer sums are formed and in
+ * computing 8 or 32 (row, token) pairs at once, lane by lane. So SIMD == plain bit for bit.
+ * (Little endian only, as GGUF files are: the scale words are read four bytes at a time.)
+ */
+#ifndef KS_KQUANTS_H
+#define KS_KQUANTS_H
+
+#include "ks_common.h"
+#include "ks_q8.h"
+
+#define KS_QK_K 256          /* values per superblock */
+#define KS_Q4K_BYTES 144
+#define KS_Q5K_BYTES 176
+#define KS_Q6K_BYTES 210
+
+/* The three types, as the template argument of the shared code below (constant at every
+ * call, so each type gets its own specialized loops). */
+enum { KS_KQ_Q4K, KS_KQ_Q5K, KS_KQ_Q6K };
+
+static inline int ks_kq_bytes(int kind)
+{
+    return kind == KS_KQ_Q4K ? KS_Q4K_BYTES : kind == KS_KQ_Q5K ? KS_Q5K_BYTES : KS_Q6K_BYTES;
+}
+
+/* ---- unpacking (shared by the dequantization and every product path) --------------------- */
+
+/* Q4_K / Q5_K: the 6-bit scales and mins of the 8 sub-blocks from their 12 packed bytes
+ * (bytes 0-3: sc[0..3] and the top bits of sc[4..7]; 4-7: m[0..3] and the top bits of
+ * m[4..7]; 8-11: the low nibbles of sc[4..7] | m[4..7] << 4), four bytes at a time, as two
+ * 8-byte words: byte s of *sc is sc[s], of *m is m[s]. */
+static inline void ks_kq_scales_mins(const uint8_t *p, uint64_t *sc, uint64_t *m)
+{
+    uint32_t a, b, c;
+    memcpy(&a, p, 4);
+    memcpy(&b, p + 4, 4);
+    memcpy(&c, p + 8, 4);
+    *sc = (a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+    *m = (b & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+}
+
+/* The 32 unsigned codes of sub-block s of a Q4_K (0..15) or Q5_K (0..31) superblock. */
+static inline void ks_kq_codes(const int kind, const uint8_t *blk, int s, uint8_t q[32])
+{
+    const uint8_t *qs = blk + (kind == KS_KQ_Q5K ? 48 : 16) + 32 * (s / 2);
+    const int shift = 4 * (s & 1);
+    for (int e = 0; e < 32; e++)
+        q[e] = (qs[e] >> shift) & 15;
+    if (kind == KS_KQ_Q5K)
+        for (int e = 0; e < 32; e++)
+            q[e] |= ((blk[16 + e] >> s) & 1) << 4;
+}
+
+/* The 32 codes minus 32 (-32..31) of activation block c (values 32c..32c+31) of a Q6_K
+ * superblock. */
+static inline void ks_q6k_codes(const uint8_t *blk, int c, int8_t q[32])
+{
+    const int h = c / 4, g = c % 4;
+    const uint8_t *ql = blk + 64 * h + 32 * (g & 1), *qh = blk + 128 + 32 * h;
+    for (int e = 0; e < 32; e++)
+        q[e] = (int8_t)((((ql[e] >> (4 * (g / 2))) & 15) | (((qh[e] >> (2 * g)) & 3) << 4)) - 32);
+}
+
+/* One row of k values -> float: w = (d*sc)*q - dmin*m (Q4_K, Q5_K), (d*sc)*(q - 32) (Q6_K),
+ * as gguf-py computes it in float32. (d*sc)*q is exact (at most 11+6+5 significant bits), so
+ * a compiler fusing the multiply and subtract changes no result. */
+static inline void ks_kq_dequant_row(const int kind, const uint8_t *restrict row,
+                                     float *restrict out, int k)
+{
+    const int bytes = ks_kq_bytes(kind);
+    for (int sb = 0; sb < k / KS_QK_K; sb++, out += KS_QK_K) {
+        const uint8_t *blk = row + (int64_t)sb * bytes;
+        if (kind == KS_KQ_Q6K) {
+            const float d = ks_fp16_to_f32(ks_load_u16le(blk + 208));
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int c = 0; c < 8; c++) {
+                int8_t q[32];
+                ks_q6k_codes(blk, c, q);
+                for (int e = 0; e < 32; e++)
+                    out[32 * c + e] = (d * (float)sc[2 * c + e / 16]) * (float)q[e];
+            }
+            continue;
+        }
+        const float d = ks_fp16_to_f32(ks_load_u16le(blk));
+        const float dmin = ks_fp16_to_f32(ks_load_u16le(blk + 2));
+        uint64_t sc, m;
+        uint8_t q[32];
+        ks_kq_scales_mins(blk + 4, &sc, &m);
+        for (int s = 0; s < 8; s++) {
+            const float ds = d * (float)(uint8_t)(sc >> 8 * s), dm = dmin * (float)(uint8_t)(m >> 8 * s);
+            ks_kq_codes(kind, blk, s, q);
+            for (int e = 0; e < 32; e++)
+                out[32 * s + e] = ds * (float)q[e] - dm;
+        }
+    }
+}
+
+/* The parameters of every matmul_rows (ks_q8_matmul_rows's), and passing them on */
+#define KS_KQ_MATMUL_PARAMS const uint8_t *w, int64_t w_stride, const int8_t *xq, const float *xd, \
+                            int n, int k, float *out, int m, int r0, int r1
+#define KS_KQ_MATMUL_ARGS w, w_stride, xq, xd, n, k, out, m, r0, r1
+
+/* ---- the product: plain C reference path ------------------------------------------------- */
+
+/* Rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T; w rows are w_stride bytes apart. */
+static inline void ks_kq_matmul_rows_plain(const int kind, const uint8_t *w, int64_t w_stride,
+                                           const int8_t *xq, const float *xd, int n, int k,
+                                           float *out, int m, int r0, int r1)
+{
+    const int nb = k / KS_QK, bytes = ks_kq_bytes(kind);
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *wr = w + (int64_t)r * w_stride;
+        for (int t = 0; t < n; t++) {
+            const int8_t *xt = xq + (int64_t)t * k;
+            const float *dt = xd + (int64_t)t * nb;
+            float acc = 0.0f;
+            for (int j = 0; j < nb; j++) {
+                const uint8_t *blk = wr + (int64_t)(j / 8) * bytes;
+                const int8_t *xb = xt + j * KS_QK;
+                const int s = j % 8;
+                if (kind == KS_KQ_Q6K) {
+                    const int8_t *sc = (const int8_t *)(blk + 192);
+                    int8_t q[32];
+                    int32_t sa = 0, sb = 0;
+                    ks_q6k_codes(blk, s, q);
+                    for (int e = 0; e < 16; e++) {
+                        sa += (int32_t)q[e] * xb[e];
+                        sb += (int32_t)q[e + 16] * xb[e + 16];
+                    }
+                    const int32_t isum = sc[2 * s] * sa + sc[2 * s + 1] * sb;
+                    const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk + 208));
+                    acc = KS_FMADD((float)isum, d * dt[j], acc);
+                    continue;
+                }
+                uint64_t sc, mn;
+                uint8_t q[32];
+                int32_t isum = 0, xsum = 0;
+                ks_kq_scales_mins(blk + 4, &sc, &mn);
+                ks_kq_codes(kind, blk, s, q);
+                for (int e = 0; e < 32; e++) {
+                    isum += (int32_t)q[e] * xb[e];
+                    xsum += xb[e];
+                }
+                const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk));
+                const float dmin = ks_fp16_to_f32_plain(ks_load_u16le(blk + 2));
+                const float dsc = d * (float)(uint8_t)(sc >> 8 * s);
+                const float dmn = dmin * (float)(uint8_t)(mn >> 8 * s);
+                acc = KS_FMADD((float)isum, dsc * dt[j], acc);
+                acc = KS_FMADD((float)xsum, (-dmn) * dt[j], acc);
+            }
+            out[(int64_t)t * m + r] = acc;
+        }
+    }
+}
+
+/* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ----
+ * As in ks_q8.h: decode takes 8 x 1 tiles (and asks for the next tile's bytes while it
+ * computes), prefill 4 x 2 tiles, so each weight block loaded and unpacked feeds 2 tokens.
+ * The per-block scales of the 8 lanes are unpacked once per superblock. */
+#if defined(KS_HAVE_SIMD_MATMUL)
+
+/* Sum of each 32-value block of x (nb blocks) as float (exact: |sum| <= 32 * 128). */
+static inline void ks_q8_block_sums(const int8_t *restrict x, int nb, float *restrict xs)
+{
+    for (int b = 0; b < nb; b++) {
+        int32_t s = 0;
+        for (int e = 0; e < KS_QK; e++)
+            s += x[b * KS_QK + e];
+        xs[b] = (float)s;
+    }
+}
+
+/* A tile's rows and its tokens' activations, scales and sums (nb blocks a row); rows >= rv
+ * and tokens >= tv repeat the last valid one (their lanes are computed and dropped). xs: the
+ * tokens' block sums (Q4_K, Q5_K), xh: their half-block sums (Q6_K, VNNI), or NULL. */
+typedef struct {
+    const uint8_t *w[8];
+    const int8_t *x[8];
+    const float *xd[8], *xs[8];
+    const int32_t *xh[8];
+} ks_kq_tile_ptrs;
+
+KS_INLINE void ks_kq_tile_ptrs_of(const int R, const int T, const uint8_t *w, int64_t w_stride,
+                                  int rv, const int8_t *x, const float *xd, const float *xs,
+                                  const int32_t *xh, int tv, int nb, ks_kq_tile_ptrs *P)
+{
+    for (int i = 0; i < R; i++)
+        P->w[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
+    for (int j = 0; j < T; j++) {
+        const int64_t jt = j < tv ? j : tv - 1;
+        P->x[j] = x + jt * nb * KS_QK;
+        P->xd[j] = xd + jt * nb;
+        P->xs[j] = xs ? xs + jt * nb : NULL;
+        P->xh[j] = xh ? xh + jt * 2 * nb : NULL;
+    }
+}
+
+#if defined(KS_AVX2)
+typedef __m256 ks_f8;            /* 8 float lanes */
+#else
+typedef float32x4x2_t ks_f8;     /* lanes 0-3, 4-7 */
+#endif
+
+/* Per superblock, the float scales each lane takes (lane l: row l % R). Q4_K / Q5_K: ds[s] =
+ * d * sc[s] and dm[s] = -(dmin * m[s]), s = 0..7 (exact products). The first 16 bytes of
+ * every row's superblock (d, dmin, the 12 scale bytes) are transposed as dwords, so that one
+ * vector holds a dword of every lane's row; ks_kq_scales_mins's bit operations then unpack all
+ * the lanes at once. */
+#if defined(KS_AVX2)
+/* r[k] lane l = dword k of the 16 bytes at wp[l % R] + off */
+KS_INLINE void ks_transpose8x4_epi32(const int R, const uint8_t *const wp[8], int64_t off,
+                                     __m256i r[4])
+{
+    __m128i v[8];
+    __m256i u[4], t[4];
+    for (int i = 0; i < R; i++)
+        v[i] = _mm_loadu_si128((const __m128i *)(wp[i] + off));
+    for (int i = 0; i < 4; i++)      /* rows i and i + 4 */
+        u[i] = _mm256_set_m128i(v[(i + 4) % R], v[i % R]);
+    for (int i = 0; i < 2; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(u[2 * i], u[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(u[2 * i], u[2 * i + 1]);
+    }
+    r[0] = _mm256_unpacklo_epi64(t[0], t[2]);
+    r[1] = _mm256_unpackhi_epi64(t[0], t[2]);
+    r[2] = _mm256_unpacklo_epi64(t[1], t[3]);
+    r[3] = _mm256_unpackhi_epi64(t[1], t[3]);
+}
+
+KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_t off,
+                                 ks_f8 ds[8], ks_f8 dm[8])
+{
+    __m256i r[4];
+    ks_transpose8x4_epi32(R, wp, off, r);
+    const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f);
+    const __m256i m30 = _mm256_set1_epi8(0x30), lo16 = _mm256_set1_epi32(0xffff);
+    const __m256i sc[2] = {_mm256_and_si256(r[1], m6), _mm256_or_si256(_mm256_and_si256(r[3], m4),
+                           _mm256_and_si256(_mm256_srli_epi32(r[1], 2), m30))};
+    const __m256i mn[2] = {_mm256_and_si256(r[2], m6), _mm256_or_si256(
+                           _mm256_and_si256(_mm256_srli_epi32(r[3], 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi32(r[2], 2), m30))};
+    const __m256i dh = _mm256_and_si256(r[0], lo16), mh = _mm256_srli_epi32(r[0], 16);
+    const __m256 d = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(dh),
+                                                      _mm256_extracti128_si256(dh, 1)));
+    const __m256 ndmin = _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_cvtph_ps(_mm_packus_epi32(
+        _mm256_castsi256_si128(mh), _mm256_extracti128_si256(mh, 1))));
+    const __m256i byte = _mm256_set1_epi32(0xff);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {   /* byte s % 4 of every lane's dword */
+        const int sh = 8 * (s % 4);
+        ds[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(sc[s / 4], sh), byte)), d);
+        dm[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn[s / 4], sh), byte)), ndmin);
+    }
+}
+
+/* Q6_K: lane l = d of row l % R */
+KS_INLINE ks_f8 ks_q6k_lane_scales(const int R, const uint8_t *const wp[8], int64_t off)
+{
+    uint16_t h[8];
+    for (int i = 0; i < R; i++)
+        h[i] = ks_load_u16le(wp[i] + off + 208);
+    return _mm256_cvtph_ps(_mm_setr_epi16(h[0 % R], h[1 % R], h[2 % R], h[3 % R], h[4 % R],
+                                          h[5 % R], h[6 % R], h[7 % R]));
+}
+#else
+KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_t off,
+                                 ks_f8 ds[8], ks_f8 dm[8])
+{
+    const uint32x4_t m6 = vdupq_n_u32(0x3f3f3f3fu), m4 = vdupq_n_u32(0x0f0f0f0fu);
+    const uint32x4_t m30 = vdupq_n_u32(0x30303030u), byte = vdupq_n_u32(0xff);
+    for (int h = 0; h < 2; h++) {    /* lanes 4h .. 4h + 3: rows (4h + k) % R */
+        uint32x4_t v[4];
+        for (int k = 0; k < 4; k++)
+            v[k] = vreinterpretq_u32_u8(vld1q_u8(wp[(4 * h + k) % R] + off));
+        const uint64x2_t t0 = vreinterpretq_u64_u32(vtrn1q_u32(v[0], v[1]));
+        const uint64x2_t t1 = vreinterpretq_u64_u32(vtrn2q_u32(v[0], v[1]));
+        const uint64x2_t t2 = vreinterpretq_u64_u32(vtrn1q_u32(v[2], v[3]));
+        const uint64x2_t t3 = vreinterpretq_u64_u32(vtrn2q_u32(v[2], v[3]));
+        const uint32x4_t r0 = vreinterpretq_u32_u64(vtrn1q_u64(t0, t2));   /* dword 0 of each */
+        const uint32x4_t r1 = vreinterpretq_u32_u64(vtrn1q_u64(t1, t3));
+        const uint32x4_t r2 = vreinterpretq_u32_u64(vtrn2q_u64(t0, t2));
+        const uint32x4_t r3 = vreinterpretq_u32_u64(vtrn2q_u64(t1, t3));
+        const uint32x4_t sc[2] = {vandq_u32(r1, m6),
+                                  vorrq_u32(vandq_u32(r3, m4), vandq_u32(vshrq_n_u32(r1, 2), m30))};
+        const uint32x4_t mn[2] = {vandq_u32(r2, m6),
+                                  vorrq_u32(vandq_u32(vshrq_n_u32(r3, 4), m4),
+                                            vandq_u32(vshrq_n_u32(r2, 2), m30))};
+        const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u16(vmovn_u32(r0)));
+        const float32x4_t ndmin = vnegq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vshrn_n_u32(r0, 16))));
+        for (int s = 0; s < 8; s++) {
+            const int32x4_t sh = vdupq_n_s32(-8 * (s % 4));    /* a negative count shifts right */
+            ds[s].val[h] = vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(sc[s / 4], sh), byte)), d);
+            dm[s].val[h] = vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(mn[s / 4], sh), byte)), ndmin);
+        }
+    }
+}
+
+KS_INLINE ks_f8 ks_q6k_lane_scales(const int R, const uint8_t *const wp[8], int64_t off)
+{
+    uint64_t h[8];
+    ks_f8 r;
+    for (int i = 0; i < R; i++)
+        h[i] = ks_load_u16le(wp[i] + off + 208);
+    r.val[0] = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
+        h[0 % R] | h[1 % R] << 16 | h[2 % R] << 32 | h[3 % R] << 48)));
+    r.val[1] = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
+        h[4 % R] | h[5 % R] << 16 | h[6 % R] << 32 | h[7 % R] << 48)));
+    return r;
+}
+#endif
+
+#if defined(KS_AVX2)
+/* Lane j * R + i: the exact isum of row i, token j for block s of the superblock at off
+ * (activation block b). */
+KS_INLINE __m256 ks_kq_isum(const int kind, const int R, const int T, const uint8_t *const wp[8],
+                            int64_t off, const int s, const int8_t *const xp[8], int b)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i q[8], sc[8], xv[8], o[8], p[8];
+    for (int j = 0; j < T; j++)
+        xv[j] = _mm256_loadu_si256((const __m256i *)(xp[j] + b * KS_QK));
+    if (kind == KS_KQ_Q6K) {
+        const int hf = s / 4, g = s % 4;
+        /* picks int16 scale 2g of a 128-bit lane into the low lane, 2g + 1 into the high */
+        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * g)),
+                                              _mm_set1_epi16((short)(0x0100 + 0x0404 * g)));
+        for (int i = 0; i < R; i++) {
+            const uint8_t *blk = wp[i] + off;
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32 * (g & 1)));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
+            const __m256i lo = _mm256_and_si256(g < 2 ? ql : _mm256_srli_epi16(ql, 4), m4);
+            const __m256i hi = g == 0 ? _mm256_slli_epi16(qh, 4) : g == 1 ? _mm256_slli_epi16(qh, 2)
+                             : g == 2 ? qh : _mm256_srli_epi16(qh, 2);
+            q[i] = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+            /* the 8 int16 scales of this half in both 128-bit lanes, then the two of block s */
+            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * hf));
+            sc[i] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8)), pick);
+        }
+        /* (q - 32) * x pair sums as q*x - 32*x in int16 (|.| <= 2 * 63 * 128), then the
+         * sub-blocks' scales in the pairwise add to int32 */
+        for (int j = 0; j < T; j++)
+            o[j] = _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv[j]);
+        for (int j = 0; j < T; j++)
+            for (int i = 0; i < R; i++)
+                p[j * R + i] = _mm256_madd_epi16(
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(q[i], xv[j]), o[j]), sc[i]);
+    } else {
+        const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
+        for (int i = 0; i < R; i++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wp[i] + off + qoff + 32 * (s / 2)));
+            q[i] = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+            if (kind == KS_KQ_Q5K) {   /* bit s of each qh byte to bit 4 (16-bit shifts:
+                                         * no other bit lands there) */
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(wp[i] + off + 16));
+                const __m256i hb = s < 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+                q[i] = _mm256_or_si256(q[i], _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+            }
+        }
+        /* codes <= 31 and |x| <= 128: maddubs's int16 pair sums cannot saturate */
+        for (int j = 0; j < T; j++)
+            for (int i = 0; i < R; i++)
+                p[j * R + i] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], xv[j]),
+                                                 _mm256_set1_epi16(1));
+    }
+    return _mm256_cvtepi32_ps(ks_hsum8x8_avx2(p));
+}
+
+/* acc + a * b with the one rounding of KS_FMADD */
+KS_INLINE __m256 ks_fmadd8(__m256 a, __m256 b, __m256 acc)
+{
+#if defined(KS_HAS_FMA)
+    return _mm256_fmadd_ps(a, b, acc);
+#else
+    return _mm256_add_ps(_mm256_mul_ps(a, b), acc);
+#endif
+}
+#else /* NEON: lanes 0-3 and 4-7 are two int32x4 / float32x4; R >= 4, so each half has one token */
+
+/* 4 int32 partial sums of w . x over 16 values */
+KS_INLINE int32x4_t ks_dot16_neon(int8x16_t w, int8x16_t x)
+{
+#if defined(KS_NEON_DOT)
+    return vdotq_s32(vdupq_n_s32(0), w, x);
+#else
+    return vpadalq_s16(vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(x))), vmull_high_s8(w, x));
+#endif
+}
+
+/* is[0], is[1]: lanes 0-3, 4-7 of the isums of block s (as ks_kq_isum on AVX2) */
+KS_INLINE void ks_kq_isum(const int kind, const int R, const int T, const uint8_t *const wp[8],
+                          int64_t off, const int s, const int8_t *const xp[8], int b,
+                          float32x4_t is[2])
+{
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    int8x16_t w0[8], w1[8], x0[8], x1[8];
+    int32x4_t p[8];
+    for (int j = 0; j < T; j++) {
+        x0[j] = vld1q_s8(xp[j] + b * KS_QK);
+        x1[j] = vld1q_s8(xp[j] + b * KS_QK + 16);
+    }
+    if (kind == KS_KQ_Q6K) {
+        const int hf = s / 4, g = s % 4;
+        /* bits 2g, 2g+1 of qh to bits 4, 5 (a negative count shifts right) */
+        const int8x16_t hshift = vdupq_n_s8((int8_t)(4 - 2 * g));
+        const uint8x16_t m30 = vdupq_n_u8(0x30);
+        int32_t sa[8], sb[8];
+        for (int i = 0; i < R; i++) {
+            const uint8_t *blk = wp[i] + off;
+            const uint8_t *ql = blk + 64 * hf + 32 * (g & 1), *qh = blk + 128 + 32 * hf;
+            uint8x16_t l0 = vld1q_u8(ql), l1 = vld1q_u8(ql + 16);
+            l0 = g < 2 ? vandq_u8(l0, m4) : vshrq_n_u8(l0, 4);
+            l1 = g < 2 ? vandq_u8(l1, m4) : vshrq_n_u8(l1, 4);
+            const uint8x16_t h0 = vandq_u8(vshlq_u8(vld1q_u8(qh), hshift), m30);
+            const uint8x16_t h1 = vandq_u8(vshlq_u8(vld1q_u8(qh + 16), hshift), m30);
+            w0[i] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l0, h0)), vdupq_n_s8(32));
+            w1[i] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l1, h1)), vdupq_n_s8(32));
+            sa[i] = ((const int8_t *)blk)[192 + 2 * s];
+            sb[i] = ((const int8_t *)blk)[193 + 2 * s];
+        }
+        for (int j = 0; j < T; j++)
+            for (int i = 0; i < R; i++)
+                p[j * R + i] = vmlaq_n_s32(vmulq_n_s32(ks_dot16_neon(w0[i], x0[j]), sa[i]),
+                                           ks_dot16_neon(w1[i], x1[j]), sb[i]);
+    } else {
+        const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
+        for (int i = 0; i < R; i++) {
+            const uint8_t *qs = wp[i] + off + qoff + 32 * (s / 2);
+            uint8x16_t q0 = vld1q_u8(qs), q1 = vld1q_u8(qs + 16);
+            q0 = s & 1 ? vshrq_n_u8(q0, 4) : vandq_u8(q0, m4);
+            q1 = s & 1 ? vshrq_n_u8(q1, 4) : vandq_u8(q1, m4);
+            if (kind == KS_KQ_Q5K) {
+                const uint8x16_t bit = vdupq_n_u8((uint8_t)(1 << s)), m16 = vdupq_n_u8(0x10);
+                q0 = vorrq_u8(q0, vandq_u8(vtstq_u8(vld1q_u8(wp[i] + off + 16), bit), m16));
+                q1 = vorrq_u8(q1, vandq_u8(vtstq_u8(vld1q_u8(wp[i] + off + 32), bit), m16));
+            }
+            w0[i] = vreinterpretq_s8_u8(q0);
+            w1[i] = vreinterpretq_s8_u8(q1);
+        }
+        for (int j = 0; j < T; j++)
+            for (int i = 0; i < R; i++)
+                p[j * R + i] = ks_dot_block_neon(w0[i], w1[i], x0[j], x1[j]);
+    }
+    is[0] = vcvtq_f32_s32(ks_hsum4x4_neon(p[0], p[1], p[2], p[3]));
+    is[1] = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
+}
+
+#endif
+
+/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2. Rows
+ * >= rv / tokens >= tv repeat the last valid one (their lanes are computed and dropped).
+ * xs: the tokens' block sums (ks_q8_block_sums; Q4_K, Q5_K). pf (or NULL): superblock sb
+ * prefetches the pf_step bytes at pf + sb * pf_step, an eighth per block. */
+KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_t *w,
+                          int64_t w_stride, int rv, const int8_t *x, const float *xd,
+                          const float *xs, int tv, int nsb, float res[8], const uint8_t *pf,
+                          int64_t pf_step)
+{
+    const int bytes = ks_kq_bytes(kind);
+    ks_kq_tile_ptrs P;
+    ks_kq_tile_ptrs_of(R, T, w, w_stride, rv, x, xd, xs, NULL, tv, nsb * 8, &P);
+    const uint8_t *const *wp = P.w;
+    const int8_t *const *xp = P.x;
+    const float *const *dp = P.xd, *const *sp = P.xs;
+#if defined(KS_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+#else
+    float32x4_t acc[2] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+#endif
+    for (int sb = 0; sb < nsb; sb++) {
+        const int64_t off = (int64_t)sb * bytes;
+        ks_f8 ds[8], dm[8];      /* lane scales per block s; Q6_K: d in ds[0] for every s */
+        if (kind == KS_KQ_Q6K)
+            ds[0] = ks_q6k_lane_scales(R, wp, off);
+        else
+            ks_kq_lane_scales(R, wp, off, ds, dm);
+        /* unrolled: each block's offsets, shifts and shuffle controls become constants */
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const int b = sb * 8 + s;
+            const ks_f8 d = ds[kind == KS_KQ_Q6K ? 0 : s];
+            if (pf)      /* an eighth of the superblock's slice per block: spread requests */
+                ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8);
+#if defined(KS_AVX2)
+            const __m256 isum = ks_kq_isum(kind, R, T, wp, off, s, xp, b);
+            const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
+                                             dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
+            acc = ks_fmadd8(isum, _mm256_mul_ps(d, dx), acc);
+            if (kind != KS_KQ_Q6K) {
+                const __m256 sx = _mm256_setr_ps(sp[0 / R][b], sp[1 / R][b], sp[2 / R][b],
+                                                 sp[3 / R][b], sp[4 / R][b], sp[5 / R][b],
+                                                 sp[6 / R][b], sp[7 / R][b]);
+                acc = ks_fmadd8(sx, _mm256_mul_ps(dm[s], dx), acc);
+            }
+#else
+            float32x4_t is[2];
+            ks_kq_isum(kind, R, T, wp, off, s, xp, b, is);
+            for (int h = 0; h < 2; h++) {
+                const float dx = dp[4 * h / R][b];
+                acc[h] = vfmaq_f32(acc[h], is[h], vmulq_n_f32(d.val[h], dx));
+                if (kind != KS_KQ_Q6K)   /* fma(xsum, dm * dx, acc) */
+                    acc[h] = vfmaq_n_f32(acc[h], vmulq_n_f32(dm[s].val[h], dx), sp[4 * h / R][b]);
+            }
+#endif
+        }
+    }
+#if defined(KS_AVX2)
+    _mm256_storeu_ps(res, acc);
+#else
+    vst1q_f32(res, acc[0]);
+    vst1q_f32(res + 4, acc[1]);
+#endif
+}
+
+#if defined(KS_HAVE_VNNI)
+/* ---- AVX512-VNNI (chosen at run time as ks_q8.h's prefill is): tiles of 8 rows x T tokens
+ * (T = 1 decode, 4 prefill), lane i of every vector belonging to row i. The rows' 32 code
+ * bytes of a block (or block pair) are transposed as 8 x 8 dwords, so that vpdpbusd with a
+ * token's broadcast 4-byte chunk adds row i's chunk product into lane i: no horizontal adds,
+ * and the codes are unsigned, as vpdpbusd wants them (Q6_K's -32 comes in as the sum's start,
+ * -32 * the half-block's sum of x). The float side is the same per block, in order:
+ * bit-identical. */
+#define KS_KQ_VNNI KS_VNNI_TARGET static inline __attribute__((always_inline))
+
+/* c[q] lane i = dword q of the 32 bytes at wp[i] + off */
+KS_KQ_VNNI void ks_kq_load8_vnni(const uint8_t *const wp[8], int64_t off, __m256i c[8])
+{
+    __m256i r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm256_loadu_si256((const __m256i *)(wp[i] + off));
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 2; g++) {    /* rows 4g..4g+3: dwords q and q + 4 in the two halves */
+        u[4 * g + 0] = _mm256_unpacklo_epi64(t[4 * g + 0], t[4 * g + 2]);
+        u[4 * g + 1] = _mm256_unpackhi_epi64(t[4 * g + 0], t[4 * g + 2]);
+        u[4 * g + 2] = _mm256_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm256_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int q = 0; q < 4; q++) {
+        c[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+        c[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+    }
+}
+
+/* acc + the products of codes[q] (lane i: row i's bytes 4q..4q+3) with x's chunk q, q0 <= q < q1 */
+KS_KQ_VNNI __m256i ks_kq_dot_vnni(__m256i acc, const __m256i codes[8], const int8_t *x, int q0,
+                                  int q1)
+{
+    for (int q = q0; q < q1; q++)
+        acc = _mm256_dpbusd_epi32(acc, codes[q], ks_bcast_chunk(x + 4 * q));
+    return acc;
+}
+
+/* res[j * 8 + i] = out value for row i, token j; rows >= rv / tokens >= tv repeat the last
+ * valid one. xs: the tokens' block sums (Q4_K, Q5_K); xh[t * 2nb + 2b + h]: -32 * the sum of
+ * half h of block b (Q6_K). pf: as in ks_kq_tile. */
+KS_KQ_VNNI void ks_kq_tile_vnni(const int kind, const int T, const uint8_t *w, int64_t w_stride,
+                                int rv, const int8_t *x, const float *xd, const float *xs,
+                                const int32_t *xh, int tv, int nsb, float *res,
+                                const uint8_t *pf, int64_t pf_step)
+{
+    const int bytes = ks_kq_bytes(kind);
+    ks_kq_tile_ptrs P;
+    ks_kq_tile_ptrs_of(8, T, w, w_stride, rv, x, xd, xs, xh, tv, nsb * 8, &P);
+    const uint8_t *const *wp = P.w;
+    const int8_t *const *xp = P.x;
+    const float *const *dp = P.xd, *const *sp = P.xs;
+    const int32_t *const *hp = P.xh;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[4];
+    for (int j = 0; j < T; j++)
+        acc[j] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const int64_t off = (int64_t)sb * bytes;
+        ks_f8 ds[8], dm[8];
+        __m256i sc6[16], qh[8], c[3][8];
+        if (kind == KS_KQ_Q6K) {    /* d, and the 16 int8 scales as int32 lanes */
+            __m256i r[4];
+            ds[0] = ks_q6k_lane_scales(8, wp, off);
+            ks_transpose8x4_epi32(8, wp, off + 192, r);
+            for (int e = 0; e < 16; e++)
+                sc6[e] = _mm256_srai_epi32(_mm256_slli_epi32(r[e / 4], 24 - 8 * (e % 4)), 24);
+        } else {
+            ks_kq_lane_scales(8, wp, off, ds, dm);
+        }
+        if (kind == KS_KQ_Q5K)
+            ks_kq_load8_vnni(wp, off + 16, qh);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const int b = sb * 8 + s;
+            __m256i codes[8];
+            if (pf)
+                ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8);
+            if (kind == KS_KQ_Q6K) {
+                const int hf = s / 4, g = s % 4;
+                if (g == 0) {        /* the half's low bits (two groups of 32) and high bits */
+                    ks_kq_load8_vnni(wp, off + 64 * hf, c[0]);
+                    ks_kq_load8_vnni(wp, off + 64 * hf + 32, c[1]);
+                    ks_kq_load8_vnni(wp, off + 128 + 32 * hf, c[2]);
+                }
+                for (int q = 0; q < 8; q++) {   /* 32-bit shifts: no other byte's bit lands */
+                    const __m256i l = c[g & 1][q];
+                    const __m256i lo = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi32(l, 4), m4);
+                    const __m256i hi = g == 0 ? _mm256_slli_epi32(c[2][q], 4) : g == 1
+                                     ? _mm256_slli_epi32(c[2][q], 2) : g == 2 ? c[2][q]
+                                     : _mm256_srli_epi32(c[2][q], 2);
+                    codes[q] = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+                }
+            } else {
+                const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
+                if (s % 2 == 0)
+                    ks_kq_load8_vnni(wp, off + qoff + 16 * s, c[0]);
+                for (int q = 0; q < 8; q++) {
+                    codes[q] = _mm256_and_si256(s & 1 ? _mm256_srli_epi32(c[0][q], 4) : c[0][q], m4);
+                    if (kind == KS_KQ_Q5K) {
+                        const __m256i hb = s < 4 ? _mm256_slli_epi32(qh[q], 4 - s)
+                                                 : _mm256_srli_epi32(qh[q], s - 4);
+                        codes[q] = _mm256_or_si256(codes[q], _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+                    }
+                }
+            }
+            for (int j = 0; j < T; j++) {
+                const int8_t *xb = xp[j] + b * KS_QK;
+                const __m256 dx = _mm256_set1_ps(dp[j][b]);
+                if (kind == KS_KQ_Q6K) {
+                    const __m256i sa = ks_kq_dot_vnni(_mm256_set1_epi32(hp[j][2 * b]), codes, xb, 0, 4);
+                    const __m256i sbh = ks_kq_dot_vnni(_mm256_set1_epi32(hp[j][2 * b + 1]), codes, xb, 4, 8);
+                    const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sa, sc6[2 * s]),
+                                                          _mm256_mullo_epi32(sbh, sc6[2 * s + 1]));
+                    acc[j] = ks_fmadd8(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[0], dx), acc[j]);
+                } else {
+                    const __m256i isum = ks_kq_dot_vnni(_mm256_setzero_si256(), codes, xb, 0, 8);
+                    acc[j] = ks_fmadd8(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[s], dx), acc[j]);
+                    acc[j] = ks_fmadd8(_mm256_set1_ps(sp[j][b]), _mm256_mul_ps(dm[s], dx), acc[j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < T; j++)
+        _mm256_storeu_ps(res + 8 * j, acc[j]);
+}
+
+/* -32 * the sum of each 16-value half block of x (nb blocks), for Q6_K's vpdpbusd sums */
+static inline void ks_q8_half_sums_x32(const int8_t *restrict x, int nb, int32_t *restrict xh)
+{
+    for (int h = 0; h < 2 * nb; h++) {
+        int32_t s = 0;
+        for (int e = 0; e < 16; e++)
+            s += x[h * 16 + e];
+        xh[h] = -32 * s;
+    }
+}
+
+/* ks_kq_matmul_rows on AVX512-VNNI CPUs: decode in 8 x 1 tiles (prefetching the next), prefill
+ * in 8 x 4. */
+KS_KQ_VNNI void ks_kq_matmul_rows_vnni(const int kind, const uint8_t *w, int64_t w_stride,
+                                       const int8_t *xq, const float *xd, int n, int k,
+                                       float *out, int m, int r0, int r1)
+{
+    enum { T = KS_VNNI_TOKENS };
+    const int nb = k / KS_QK, nsb = k / KS_QK_K, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
+    const int q6 = kind == KS_KQ_Q6K;
+    float xs[q6 ? 1 : tblock * nb], res[8 * T];    /* the sums each type needs */
+    int32_t xh[q6 ? tblock * 2 * nb : 1];
+    for (int tb = 0; tb < n; tb += tblock) {
+        const int te = tb + tblock < n ? tb + tblock : n;
+        for (int t = tb; t < te; t++) {
+            if (kind == KS_KQ_Q6K)
+                ks_q8_half_sums_x32(xq + (int64_t)t * k, nb, xh + (t - tb) * 2 * nb);
+            else
+                ks_q8_block_sums(xq + (int64_t)t * k, nb, xs + (t - tb) * nb);
+        }
+        for (int r = r0; r < r1; r += 8) {
+            const int rv = r1 - r < 8 ? r1 - r : 8;
+            if (n == 1) {
+                const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
+                ks_kq_tile_vnni(kind, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
+                                q6 ? NULL : xs, q6 ? xh : NULL, 1, nsb, res, next,
+                                8 * w_stride / nsb);
+                ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
+                continue;
+            }
+            for (int t = tb; t < te; t += T) {
+                const int tv = te - t < T ? te - t : T;
+                ks_kq_tile_vnni(kind, T, w + (int64_t)r * w_stride, w_stride, rv,
+                                xq + (int64_t)t * k, xd + (int64_t)t * nb,
+                                q6 ? NULL : xs + (t - tb) * nb,
+                                q6 ? xh + (t - tb) * 2 * nb : NULL, tv, nsb, res, NULL, 0);
+                ks_q8_store_tile(8, T, res, out, m, r, rv, t, tv);
+            }
+        }
+    }
+}
+
+/* one VNNI function per type (an always-inline body is specialized only where it is inlined) */
+KS_VNNI_TARGET static void ks_q4k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
+{ ks_kq_matmul_rows_vnni(KS_KQ_Q4K, KS_KQ_MATMUL_ARGS); }
+KS_VNNI_TARGET static void ks_q5k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
+{ ks_kq_matmul_rows_vnni(KS_KQ_Q5K, KS_KQ_MATMUL_ARGS); }
+KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
+{ ks_kq_matmul_rows_vnni(KS_KQ_Q6K, KS_KQ_MATMUL_ARGS); }
+#endif
+
+/* Same contract as ks_kq_matmul_rows_plain. */
+KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_stride,
+                                 const int8_t *xq, const float *xd, int n, int k, float *out,
+                                 int m, int r0, int r1)
+{
+    const int nb = k / KS_QK, nsb = k / KS_QK_K, sums = kind != KS_KQ_Q6K;
+    float res[8];
+#if defined(KS_HAVE_VNNI)
+    if (ks_use_vnni()) {
+        (kind == KS_KQ_Q4K ? ks_q4k_matmul_rows_vnni : kind == KS_KQ_Q5K ? ks_q5k_matmul_rows_vnni
+                           : ks_q6k_matmul_rows_vnni)(w, w_stride, xq, xd, n, k, out, m, r0, r1);
+        return;
+    }
+#endif
+    if (n == 1) {
+        float xs[nb];
+        if (sums)
+            ks_q8_block_sums(xq, nb, xs);
+        for (int r = r0; r < r1; r += 8) {
+            const int rv = r1 - r < 8 ? r1 - r : 8;
+            /* the next tile of this matrix (an MoE expert's ends here), a slice per superblock */
+            const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
+            ks_kq_tile(kind, 8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
+                       sums ? xs : NULL, 1, nsb, res, next, 8 * w_stride / nsb);
+            ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
+        }
+        return;
+    }
+    float xs[KS_PREFILL_TOKEN_BLOCK * nb];
+    for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
+        const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
+        if (sums)
+            for (int t = tb; t < te; t++)
+                ks_q8_block_sums(xq + (int64_t)t * k, nb, xs + (t - tb) * nb);
+        for (int r = r0; r < r1; r += 4) {
+            const int rv = r1 - r < 4 ? r1 - r : 4;
+            for (int t = tb; t < te; t += 2) {
+                const int tv = te - t < 2 ? te - t : 2;
+                ks_kq_tile(kind, 4, 2, w + (int64_t)r * w_stride, w_stride, rv,
+                           xq + (int64_t)t * k, xd + (int64_t)t * nb,
+                           sums ? xs + (t - tb) * nb : NULL, tv, nsb, res, NULL, 0);
+                ks_q8_store_tile(4, 2, res, out, m, r, rv, t, tv);
+            }
+        }
+    }
+}
+#else
+static inline void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_stride,
+                                 const int8_t *xq, const float *xd, int n, int k, float *out,
+                                 int m, int r0, int r1)
+{
+    ks_kq_matmul_rows_plain(kind, w, w_stride, xq, xd, n, k, out, m, r0, r1);
+}
+#endif
+
+/* ---- the entry points of each type (the weight ABI's dispatch, ks_weights.h) -------------- */
+
+#define KS_KQ_ENTRY_POINTS(name, kind)                                                         \
+    static inline void ks_##name##_dequant_row(const uint8_t *row, float *out, int k)         \
+    { ks_kq_dequant_row(kind, row, out, k); }                                                  \
+    static void ks_##name##_matmul_rows(KS_KQ_MATMUL_PARAMS)                                   \
+    { ks_kq_matmul_rows(kind, KS_KQ_MATMUL_ARGS); }                                            \
+    static void ks_##name##_matmul_rows_plain(KS_KQ_MATMUL_PARAMS)                             \
+    { ks_kq_matmul_rows_plain(kind, KS_KQ_MATMUL_ARGS); }
+
+KS_KQ_ENTRY_POINTS(q4k, KS_KQ_Q4K)
+KS_KQ_ENTRY_POINTS(q5k, KS_KQ_Q5K)
+KS_KQ_ENTRY_POINTS(q6k, KS_KQ_Q6K)
+
+#endif /* KS_KQUANTS_H */
