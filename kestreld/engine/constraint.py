@@ -42,9 +42,12 @@ from ..text.reasoning import CLOSE as THINK_CLOSE
 from ..text.reasoning import OPEN as THINK_OPEN
 from .sampler import ResponseFormat
 
-# JSON whitespace between tokens: one space or newline(s) and an indent, bounded (as
-# llama.cpp's grammars do), so that a sampled answer cannot fill max_tokens with blanks.
-JSON_OPTIONS = {"whitespace_pattern": r"[ \n]{1,2}[ \t]{0,20}"}
+# JSON whitespace between tokens: a space, or one or two newlines and an indent of at most
+# 20 (llama.cpp's grammars' rule), so that a sampled answer cannot fill max_tokens with
+# blanks; \uXXXX escapes of any character, as JSON allows (llguidance's default: control
+# characters only).
+JSON_OPTIONS = {"whitespace_pattern": r" |\n{1,2}[ \t]{0,20}",
+                "json_allow_general_unicode_escapes": True}
 # what `{"type": "json_object"}` means: any JSON object
 JSON_OBJECT_SCHEMA = {"type": "object"}
 

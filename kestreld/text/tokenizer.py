@@ -32,6 +32,7 @@ EOG_TEXTS = frozenset({
 # GGUF token_type values (gguf.TokenType) that become added special tokens.
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+_TOKEN_TYPE_UNUSED = 5        # padding ids ("[PAD151669]"): never text
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre`, as in llama.cpp's llm_tokenizer_bpe: each
 # regex splits the pieces the previous one produced, keeping matches and gaps ("isolated").
@@ -109,8 +110,8 @@ class Tokenizer:
                  control_ids: Iterable[int] = ()):
         self._tok = tok
         self._token_bytes = token_bytes    # id -> the bytes that token decodes to
-        # control tokens (<|im_end|>, ...): markers, not text; a grammar must not spell them
-        # (other added tokens, e.g. Qwen3's <tool_call>, are text that happens to be one token)
+        # control tokens (<|im_end|>, ...) and unused padding ids: not text, a grammar must
+        # not spell them (other added tokens, e.g. Qwen3's <tool_call>, are text that is one token)
         self.control_ids = frozenset(control_ids)
         self.bos_id = bos_id
         self.eos_id = eos_id               # the model's own EOS (the template's eos_token)
@@ -196,7 +197,7 @@ class Tokenizer:
         eog = {get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id")}
         eog.update(i for i, text in added.items() if text in EOG_TEXTS)
         add_bos = get("tokenizer.ggml.add_bos_token", pre.add_bos)
-        control = [i for i, t in enumerate(types) if t == _TOKEN_TYPE_CONTROL]
+        control = [i for i, t in enumerate(types) if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_UNUSED)]
         return cls(tok, _token_bytes_table(vocab, added), bos_id,
                    get("tokenizer.ggml.eos_token_id"), eog, bool(add_bos), control)
 
