@@ -198,7 +198,7 @@ def _message(name: str, m) -> dict:
     if not isinstance(m, dict) or "role" not in m or not set(m) <= {"role", "content"} | extra \
             or ("content" not in m and "tool_calls" not in m):
         keys = sorted(map(str, m)) if isinstance(m, dict) else type(m).__name__
-        allowed = " and ".join(["role", "content"] + sorted(extra))
+        allowed = ", ".join(["role", "content"] + sorted(extra))
         raise BadRequest(f"{name} must be a map with role and content (an assistant's may add "
                          f"tool_calls, a tool's tool_call_id); allowed here: {allowed}, got {keys}")
     out = {"role": _str(f"{name}.role", role)}
