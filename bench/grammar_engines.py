@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/grammar_engines.py
     .venv/bin/pip install outlines-core      # to compare (Kestrel itself uses llguidance)
+    .venv/bin/python bench/grammar_engines.py --decode     # and decode on SmolLM2, 1 thread
 
 For each vocabulary (SmolLM2's real 49,152 tokens; the 151,936-token Qwen3-sized byte-level
 vocabulary of bench/common.py) and each grammar (any JSON object; an object of a schema;
@@ -18,7 +19,9 @@ depth-bounded regex of {"type": "object"} (its default depth, 3).
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -158,7 +161,38 @@ def bench_outlines(tok: Tokenizer, n_vocab: int, logits: np.ndarray) -> None:
         print(f"    {name:12s} index {t_compile * 1e3:7.1f} ms; per step {_summary(steps)}")
 
 
+def bench_decode(reps: int) -> None:
+    """Greedy decode on SmolLM2 (one thread) with and without a schema's grammar: the same
+    chat, the same number of tokens (the constrained answer's), runs alternating."""
+    from kestreld.engine.generate import Engine
+    from kestreld.engine.prompt import ChatInput
+    from kestreld.engine.sampler import SamplingOptions
+    from kestreld.model.convert import smollm2_q8_0_path
+    from kestreld.model.load import load_model
+    from kestreld.service.config import default_cache_dir
+    engine = Engine(load_model(smollm2_q8_0_path(default_cache_dir(os.environ))), threads=1)
+    chat = ChatInput(({"role": "user", "content": "Describe a fictional person as JSON."},))
+    fmt = ResponseFormat("json_schema", PERSON)
+    engine.run(chat, SamplingOptions(max_tokens=8))                      # warm up
+    with_grammar, without = [], []
+    for _ in range(reps):
+        c = engine.run(chat, SamplingOptions(max_tokens=256, response_format=fmt))
+        with_grammar.append(c.decode_ms / c.completion_tokens)
+        c0 = engine.run(chat, SamplingOptions(max_tokens=c.completion_tokens, ignore_eos=True))
+        without.append(c0.decode_ms / c0.completion_tokens)
+    a, b = statistics.median(with_grammar), statistics.median(without)
+    print(f"SmolLM2 decode, 1 thread, {c.completion_tokens} tokens x {reps}: "
+          f"{b:.2f} ms/token free, {a:.2f} with the schema's grammar (+{a - b:.2f} ms, "
+          f"{100 * (a - b) / b:+.1f}%)")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--decode", action="store_true", help="also decode on SmolLM2 with and without")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    if args.decode:
+        bench_decode(args.reps)
     for label, make, n_vocab in (("SmolLM2 (49,152 tokens)", smollm2_tokenizer, 49152),
                                  ("Qwen3-sized (151,936 tokens)", qwen3_sized_tokenizer, 151936)):
         tok = make()

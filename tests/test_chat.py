@@ -13,6 +13,15 @@ from kestreld.model.gguf_file import open_gguf
 from kestreld.errors import BadRequest
 from _loader_models import smollm2_gguf
 
+# Qwen3's generation prompt: with enable_thinking off, an empty thinking block is closed.
+GENERATION_PROMPT = """{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
 # A Qwen3-style template written for this test: ChatML turns, earlier reasoning stripped from
 # assistant turns, tool results as JSON, unknown roles refused, and the enable_thinking switch
 # that closes an empty <think> block when thinking is off.
@@ -38,13 +47,7 @@ QWEN3_STYLE = """
     {%- endif %}
     {%- if loop.index > 50 %}{% break %}{% endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- endif %}
-{%- endif %}
-"""
+""" + GENERATION_PROMPT
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
@@ -201,13 +204,7 @@ QWEN3_TOOLS = """
         {%- endif %}
     {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- endif %}
-{%- endif %}
-"""
+""" + GENERATION_PROMPT
 
 TOOLS = [
     {"type": "function", "function": {

@@ -11,16 +11,8 @@ import pytest
 
 from daemon import Daemon
 from kestrelctl import KestrelClientError, Result, Token
+from test_constraint import ADD, WEATHER
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                   "properties": {"city": {"type": "string", "maxLength": 20},
-                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two numbers",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
-                   "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 PARAMS = {"get_weather": WEATHER["function"]["parameters"], "add": ADD["function"]["parameters"]}
 

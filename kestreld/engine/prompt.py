@@ -56,7 +56,10 @@ class ChatInput:
         if not self.tools or self.tool_choice == "none":
             return None
         if isinstance(self.tool_choice, dict):
-            return ToolUse(self.tools, required=True, only=self.tool_choice["function"]["name"])
+            name = self.tool_choice["function"]["name"]
+            if name not in {t["function"]["name"] for t in self.tools}:
+                raise BadRequest(f"tool_choice names function {name!r}, which is not in tools")
+            return ToolUse(self.tools, required=True, only=name)
         return ToolUse(self.tools, required=self.tool_choice == "required")
 
 
