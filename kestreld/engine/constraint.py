@@ -8,21 +8,23 @@ accepts the end), `commit` feeds it the chosen token, `finished` says only the e
 follow.
 
 The grammar engine is llguidance (an Earley parser over lexemes that walks the token trie,
-in Rust). Measured with bench/grammar_engines.py (x86 VM, one thread; answers of 40-110
-tokens: any JSON object, a schema-bound object, a Qwen3 tool call), per decode step, mask
-computed and applied to the logits, median:
-  - llguidance: 0.06-0.09 ms on SmolLM2's 49,152 tokens, 0.12-0.14 ms on a 151,936-token
-    Qwen3-sized vocabulary (first step 0.2-1.2 ms); a grammar compiles in 1.5-2 ms;
-  - outlines-core: 0.04-0.12 ms (49k) and 0.11-0.42 ms (151k, p90 up to 0.9), but its
-    index is built per schema over the whole vocabulary before the first token: 0.07-8 s
-    on 49k, 0.5-11 s on 151k, and plain `json_object` (not a regular language) only as a
+in Rust). Measured with bench/grammar_engines.py (x86 VM, one thread, two runs; answers of
+40-110 tokens: any JSON object, a schema-bound object, a Qwen3 tool call), per decode
+step, mask computed and applied to the logits, median:
+  - llguidance: 0.05-0.09 ms on SmolLM2's 49,152 tokens, 0.12-0.14 ms on a 151,936-token
+    Qwen3-sized vocabulary (first step 0.2-1.2 ms); a grammar compiles in 1.3-6 ms;
+  - outlines-core: 0.04-0.12 ms (49k) and 0.11-0.44 ms (151k, p90 up to 0.9), but its
+    index is built per schema over the whole vocabulary before the first token: 0.07-10 s
+    on 49k, 0.4-17 s on 151k, and plain `json_object` (not a regular language) only as a
     depth-bounded regex.
 llguidance needs no other package (xgrammar needs torch and transformers at run time).
-A decode step takes 8-35 ms here (SmolLM2 to Qwen3-0.6B's shapes), so the mask is
-computed in line, on the engine thread: handing it to a helper thread during the forward pass would cost about as much
-as it saves, and would take a core from the forward pass's OpenMP team.
+In a whole decode (`--decode`: SmolLM2, one thread, greedy, 68 tokens x 5, on a loaded
+2-core VM) a schema's grammar took 34.38 ms/token against 34.03 free (+0.35 ms, +1.0%).
+So the mask is computed in line, on the engine thread: handing it to a helper thread
+during the forward pass would save a fraction of a millisecond per token, at the price of
+a core taken from the forward pass's OpenMP team and a hand-off per token.
 
-`GrammarVocabulary` is built once per model (0.1-0.4 s) from Kestrel's own tokenizer: token
+`GrammarVocabulary` is built once per model (0.2-0.5 s) from Kestrel's own tokenizer: token
 id -> bytes, control tokens marked as not text, the end-of-generation ids. Thread-safety:
 a GrammarVocabulary is immutable; a Constraint belongs to one request on the engine thread.
 """
