@@ -286,3 +286,16 @@ def test_text_prompts_take_a_response_format_too(smollm2_engine):
                            SamplingOptions(max_tokens=60, response_format=schema_format(
                                {"type": "array", "items": {"type": "integer"}, "maxItems": 3})))
     assert c.finish_reason == "stop" and isinstance(json.loads(c.text), list)
+
+
+def test_a_constrained_answer_ends_with_its_grammar_even_with_ignore_eos(zoo):
+    """After a call the grammar allows another or the end: the end ends the answer, whatever
+    ignore_eos says, and is no text."""
+    engine = Engine(load_model(str(zoo.get("llama").gguf["q8_0"])), max_seq=2048)
+    prompt = engine.prompt(ChatInput(({"role": "user", "content": "add"},), tools=(ADD,),
+                                     tool_choice="required"))
+    for seed in range(5):
+        c = engine.generate(prompt, SamplingOptions(max_tokens=1500, temperature=1.0, seed=seed,
+                                                    ignore_eos=True))
+        assert c.finish_reason in ("tool_calls", "length") and c.tool_calls
+        assert not set(c.ids) & engine.tokenizer.eos_ids and "<|im_end|>" not in c.text

@@ -310,7 +310,8 @@ class Engine:
         max_tokens = min(opts.max_tokens, self.kv.max_seq - len(ids))
         decoder = self.tokenizer.incremental_decoder()
         stops = StopMatcher(opts.stop)
-        eos = set() if opts.ignore_eos else self.tokenizer.eos_ids
+        # ignore_eos (benchmarks) is for free text: a constrained answer ends where its grammar does
+        eos = set() if opts.ignore_eos and sampler.constraint is None else self.tokenizer.eos_ids
         generated: list = []
         text, emitted, pending = "", 0, []
         lps: Optional[list] = [] if opts.logprobs else None
