@@ -44,11 +44,14 @@ class KestrelClientError(Exception):
 @dataclass
 class Token:
     """A streamed piece of the completion (with split_reasoning, `reasoning` is the piece
-    of the thinking block and `text` of the answer)."""
+    of the thinking block and `text` of the answer). With tools, `tool_calls` holds the
+    calls this piece completed ([{"id", "type", "function": {"name", "arguments"}}]); the
+    text of their blocks is not in `text`."""
     text: str
     ids: list
     logprobs: Optional[list] = None
     reasoning: Optional[str] = None
+    tool_calls: Optional[list] = None
 
 
 @dataclass
@@ -69,11 +72,12 @@ class Result:
     timings: dict
     logprobs: Optional[list] = None
     reasoning: Optional[str] = None     # the thinking block, with split_reasoning
+    tool_calls: Optional[list] = None   # the calls made (finish_reason "tool_calls")
 
     @classmethod
     def from_wire(cls, m: dict) -> "Result":
         return cls(m["text"], m["ids"], m["finish_reason"], m["usage"], m["timings"],
-                   m.get("logprobs"), m.get("reasoning"))
+                   m.get("logprobs"), m.get("reasoning"), m.get("tool_calls"))
 
 
 Event = Union[Token, Progress, Result]
@@ -192,7 +196,7 @@ class Client:
                 method, (_, payload) = m[1], m[2]
                 if method == TOKEN:
                     yield Token(payload["text"], payload["ids"], payload.get("logprobs"),
-                                payload.get("reasoning"))
+                                payload.get("reasoning"), payload.get("tool_calls"))
                 elif method == PROGRESS:
                     yield Progress(payload["phase"], payload["done"], payload["total"])
         finally:

@@ -13,6 +13,7 @@ It imports msgpack and errors only: kestrelctl imports it without the engine or 
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -42,6 +43,15 @@ MAX_LOGPROBS = 20
 SEED_LIMIT = 1 << 64          # seeds are 0 <= seed < 2**64
 MAX_IMAGES = 16               # image parts in one chat request
 MAX_PATH_CHARS = 4096
+MAX_TOOLS = 128               # functions offered in one chat request
+MAX_TOOL_CALLS = 64           # calls in one assistant message
+MAX_ID_CHARS = 256            # a tool call's id
+MAX_SCHEMA_DEPTH = 32         # nesting of a JSON schema (response_format, tool parameters)
+MAX_SCHEMA_NODES = 10_000     # values in one JSON schema
+PENALTY_LIMIT = 2.0           # presence / frequency penalties in [-2, 2], as OpenAI's
+# OpenAI's rule for function and response-format names
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_CHOICES = ("auto", "none", "required")
 
 
 # ---------------------------------------------------------------- typed parameters
@@ -60,13 +70,18 @@ class GenerateParams:
 class ChatParams:
     """`chat`: messages as ({"role": str, "content": str | (part, ...)}, ...); a part is
     {"type": "text", "text": str} or {"type": "image", "path": str} / {"type": "image",
-    "data": bytes} (Qwen3-VL). `split_reasoning`: the answer's thinking block comes back
-    apart, as `reasoning`."""
+    "data": bytes} (Qwen3-VL). An assistant message may also hold `tool_calls` ([{"id",
+    "type": "function", "function": {"name", "arguments": str}}]; its content "" when it
+    had none), a "tool" message `tool_call_id`. `split_reasoning`: the answer's thinking
+    block comes back apart, as `reasoning`. `tools`: OpenAI function specs;
+    `tool_choice`: "auto" | "none" | "required" | {"type": "function", "function": {"name"}}."""
     messages: tuple
     enable_thinking: bool
     options: dict
     stream: bool
     split_reasoning: bool = False
+    tools: tuple = ()
+    tool_choice: Union[str, dict] = "auto"
 
 
 @dataclass(frozen=True)
@@ -166,24 +181,223 @@ def _ids(name: str, v, vocab_size: int) -> tuple:
 def _messages(v) -> tuple:
     if not isinstance(v, (list, tuple)) or not v:
         raise BadRequest("messages must be a non-empty list of {role, content} maps")
-    out = []
-    for n, m in enumerate(v):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            keys = sorted(m) if isinstance(m, dict) else type(m).__name__
-            raise BadRequest(f"messages[{n}] must be a map with exactly role and content, "
-                             f"got {keys}")
-        content = m["content"]
-        if isinstance(content, (list, tuple)):
-            content = tuple(_part(f"messages[{n}].content[{j}]", part)
-                            for j, part in enumerate(content))
-        else:
-            content = _str(f"messages[{n}].content", content)
-        out.append({"role": _str(f"messages[{n}].role", m["role"]), "content": content})
+    out = [_message(f"messages[{n}]", m) for n, m in enumerate(v)]
     n_images = sum(1 for m in out if not isinstance(m["content"], str)
                    for part in m["content"] if part["type"] == "image")
     if n_images > MAX_IMAGES:
         raise BadRequest(f"messages hold {n_images} images; at most {MAX_IMAGES} are accepted")
     return tuple(out)
+
+
+def _message(name: str, m) -> dict:
+    """{role, content}; an assistant's may add tool_calls (content then may be nil or
+    missing: ""), a tool's tool_call_id."""
+    role = m.get("role") if isinstance(m, dict) else None
+    extra = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set()) \
+        if isinstance(role, str) else set()
+    if not isinstance(m, dict) or "role" not in m or not set(m) <= {"role", "content"} | extra \
+            or ("content" not in m and "tool_calls" not in m):
+        keys = sorted(map(str, m)) if isinstance(m, dict) else type(m).__name__
+        allowed = ", ".join(["role", "content"] + sorted(extra))
+        raise BadRequest(f"{name} must be a map with role and content (an assistant's may add "
+                         f"tool_calls, a tool's tool_call_id); allowed here: {allowed}, got {keys}")
+    out = {"role": _str(f"{name}.role", role)}
+    content = m.get("content")
+    if "tool_calls" in m:
+        out["tool_calls"] = _tool_calls(f"{name}.tool_calls", m["tool_calls"])
+        content = "" if content is None else content
+    if isinstance(content, (list, tuple)):
+        out["content"] = tuple(_part(f"{name}.content[{j}]", part) for j, part in enumerate(content))
+    else:
+        out["content"] = _str(f"{name}.content", content)
+    if "tool_call_id" in m:
+        out["tool_call_id"] = _bounded_str(f"{name}.tool_call_id", m["tool_call_id"], MAX_ID_CHARS)
+    return out
+
+
+def _bounded_str(name: str, v, max_chars: int) -> str:
+    if not isinstance(v, str) or not 0 < len(v) <= max_chars:
+        raise BadRequest(f"{name} must be a string of 1..{max_chars} characters, got {_QUOTE.repr(v)}")
+    return v
+
+
+def _name(name: str, v) -> str:
+    if not isinstance(v, str) or not NAME_RE.fullmatch(v):
+        raise BadRequest(f"{name} must be 1..64 letters, digits, _ or -, got {_QUOTE.repr(v)}")
+    return v
+
+
+def _map(name: str, v, required: tuple, optional: tuple = ()) -> dict:
+    """`v` as a map holding `required` keys and perhaps `optional` ones, nothing else."""
+    if not isinstance(v, dict):
+        raise BadRequest(f"{name} must be a map, got {_QUOTE.repr(v)}")
+    missing = [k for k in required if k not in v]
+    unknown = sorted(str(k) for k in v if k not in required + optional)
+    if missing or unknown:
+        keys = ", ".join(required + tuple(f"{k}?" for k in optional))
+        raise BadRequest(f"{name} must be a map of {keys}; "
+                         + (f"missing {', '.join(missing)}" if missing
+                            else f"unknown {', '.join(_QUOTE.repr(k) for k in unknown[:8])}"))
+    return v
+
+
+def _tool_calls(name: str, v) -> list:
+    """An assistant message's calls: [{"id", "type": "function", "function": {"name",
+    "arguments"}}], arguments a JSON string (as OpenAI sends it) or a map."""
+    if not isinstance(v, (list, tuple)) or not 0 < len(v) <= MAX_TOOL_CALLS:
+        raise BadRequest(f"{name} must be a list of 1..{MAX_TOOL_CALLS} calls, got {_QUOTE.repr(v)}")
+    out = []
+    for j, call in enumerate(v):
+        c = _map(f"{name}[{j}]", call, ("function",), ("id", "type"))
+        if c.get("type", "function") != "function":
+            raise BadRequest(f"{name}[{j}].type must be \"function\", got {_QUOTE.repr(c['type'])}")
+        f = _map(f"{name}[{j}].function", c["function"], ("name", "arguments"))
+        args = f["arguments"]
+        if isinstance(args, dict):
+            args = _json_value(f"{name}[{j}].function.arguments", args)
+        elif not isinstance(args, str):
+            raise BadRequest(f"{name}[{j}].function.arguments must be a JSON string or a map, "
+                             f"got {type(args).__name__}")
+        out.append({"id": _bounded_str(f"{name}[{j}].id", c.get("id", f"call_{j}"), MAX_ID_CHARS),
+                    "type": "function",
+                    "function": {"name": _name(f"{name}[{j}].function.name", f["name"]),
+                                 "arguments": args}})
+    return out
+
+
+def _tools(v) -> tuple:
+    """[{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}]"""
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_TOOLS:
+        raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} functions, got {_QUOTE.repr(v)}")
+    out, names = [], set()
+    for j, tool in enumerate(v):
+        t = _map(f"tools[{j}]", tool, ("type", "function"))
+        if t["type"] != "function":
+            raise BadRequest(f"tools[{j}].type must be \"function\", got {_QUOTE.repr(t['type'])}")
+        f = _map(f"tools[{j}].function", t["function"], ("name",),
+                 ("description", "parameters", "strict"))
+        fn = {"name": _name(f"tools[{j}].function.name", f["name"])}
+        if fn["name"] in names:
+            raise BadRequest(f"tools[{j}].function.name: {fn['name']!r} is offered twice")
+        names.add(fn["name"])
+        if "description" in f:
+            fn["description"] = _str(f"tools[{j}].function.description", f["description"])
+        if "parameters" in f:
+            fn["parameters"] = _schema(f"tools[{j}].function.parameters", f["parameters"])
+        if "strict" in f:
+            fn["strict"] = _bool(f"tools[{j}].function.strict", f["strict"])
+        out.append({"type": "function", "function": fn})
+    return tuple(out)
+
+
+def _tool_choice(v, tools: tuple):
+    if isinstance(v, str) and v in TOOL_CHOICES:
+        choice = v
+    elif isinstance(v, dict):
+        c = _map("tool_choice", v, ("type", "function"))
+        if c["type"] != "function":
+            raise BadRequest(f"tool_choice.type must be \"function\", got {_QUOTE.repr(c['type'])}")
+        name = _name("tool_choice.function.name", _map("tool_choice.function", c["function"], ("name",))["name"])
+        if name not in {t["function"]["name"] for t in tools}:
+            raise BadRequest(f"tool_choice names function {name!r}, which is not in tools")
+        choice = {"type": "function", "function": {"name": name}}
+    else:
+        raise BadRequest(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
+                         f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {_QUOTE.repr(v)}")
+    if choice not in ("auto", "none") and not tools:
+        raise BadRequest(f"tool_choice {_QUOTE.repr(v)} needs tools")
+    return choice
+
+
+_JSON_TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
+
+
+def _json_value(name: str, v, depth: int = 0, budget: Optional[list] = None):
+    """`v` if it is JSON (maps with string keys, lists, strings, finite numbers, booleans,
+    nil) of at most MAX_SCHEMA_DEPTH levels and MAX_SCHEMA_NODES values."""
+    budget = [MAX_SCHEMA_NODES] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise BadRequest(f"{name}: more than {MAX_SCHEMA_NODES} values")
+    if depth > MAX_SCHEMA_DEPTH:
+        raise BadRequest(f"{name}: nested deeper than {MAX_SCHEMA_DEPTH} levels")
+    if isinstance(v, dict):
+        for k, item in v.items():
+            if not isinstance(k, str):
+                raise BadRequest(f"{name}: map keys must be strings, got {_QUOTE.repr(k)}")
+            _json_value(f"{name}.{k}", item, depth + 1, budget)
+    elif isinstance(v, (list, tuple)):
+        for j, item in enumerate(v):
+            _json_value(f"{name}[{j}]", item, depth + 1, budget)
+    elif isinstance(v, float) and not math.isfinite(v):
+        raise BadRequest(f"{name}: numbers must be finite, got {v}")
+    elif not (v is None or isinstance(v, (str, bool, int, float))):
+        raise BadRequest(f"{name}: not a JSON value ({type(v).__name__})")
+    return v
+
+
+def _schema(name: str, v) -> dict:
+    """A JSON schema (a map of JSON) whose common keywords have their shapes; the grammar
+    engine checks the rest when the answer's grammar is compiled (engine/constraint.py)."""
+    if not isinstance(v, dict):
+        raise BadRequest(f"{name} must be a JSON schema (a map), got {_QUOTE.repr(v)}")
+    _json_value(name, v)
+    _schema_keywords(name, v)
+    return v
+
+
+def _schema_keywords(name: str, s) -> None:
+    if isinstance(s, bool):
+        return
+    if not isinstance(s, dict):
+        raise BadRequest(f"{name} must be a schema (a map or a boolean), got {_QUOTE.repr(s)}")
+    t = s.get("type")
+    if t is not None and not (t in _JSON_TYPES if isinstance(t, str) else
+                              isinstance(t, list) and t and all(x in _JSON_TYPES for x in t)):
+        raise BadRequest(f"{name}.type must be one of {', '.join(_JSON_TYPES)} (or a list of "
+                         f"them), got {_QUOTE.repr(t)}")
+    if "required" in s and not (isinstance(s["required"], list)
+                                and all(isinstance(k, str) for k in s["required"])):
+        raise BadRequest(f"{name}.required must be a list of property names")
+    if "enum" in s and not (isinstance(s["enum"], list) and s["enum"]):
+        raise BadRequest(f"{name}.enum must be a non-empty list")
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        if key in s:
+            if not isinstance(s[key], dict):
+                raise BadRequest(f"{name}.{key} must be a map of schemas")
+            for k, sub in s[key].items():
+                _schema_keywords(f"{name}.{key}.{k}", sub)
+    for key in ("items", "additionalProperties", "not", "contains", "propertyNames"):
+        if key in s and not isinstance(s[key], list):
+            _schema_keywords(f"{name}.{key}", s[key])
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if key in s:
+            if not (isinstance(s[key], list) and s[key]):
+                raise BadRequest(f"{name}.{key} must be a non-empty list of schemas")
+            for j, sub in enumerate(s[key]):
+                _schema_keywords(f"{name}.{key}[{j}]", sub)
+
+
+def _response_format(v) -> Optional[dict]:
+    """OpenAI's response_format: {"type": "text"} (free: None), {"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"name", "schema", "description"?, "strict"?}}
+    -> {"kind", "schema"} (the fields of the engine's ResponseFormat)."""
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind in ("text", "json_object"):
+        _map("response_format", v, ("type",))
+        return None if kind == "text" else {"kind": kind, "schema": None}
+    if kind != "json_schema":
+        raise BadRequest("response_format must be {\"type\": \"json_object\"}, {\"type\": "
+                         "\"json_schema\", \"json_schema\": {\"name\", \"schema\"}} or "
+                         f"{{\"type\": \"text\"}}, got {_QUOTE.repr(v)}")
+    js = _map("response_format.json_schema", _map("response_format", v, ("type", "json_schema"))["json_schema"],
+              ("name", "schema"), ("description", "strict"))
+    _name("response_format.json_schema.name", js["name"])
+    if "description" in js:
+        _str("response_format.json_schema.description", js["description"])
+    if js.get("strict") is not None:
+        _bool("response_format.json_schema.strict", js["strict"])
+    return {"kind": "json_schema", "schema": _schema("response_format.json_schema.schema", js["schema"])}
 
 
 def _part(name: str, v) -> dict:
@@ -222,11 +436,14 @@ OPTION_CHECKS = {
     "stop": lambda v: _stop("stop", v),
     "ignore_eos": lambda v: _bool("ignore_eos", v),
     "logprobs": lambda v: _int("logprobs", v, lo=0, hi=MAX_LOGPROBS),
+    "presence_penalty": lambda v: _number("presence_penalty", v, -PENALTY_LIMIT, PENALTY_LIMIT),
+    "frequency_penalty": lambda v: _number("frequency_penalty", v, -PENALTY_LIMIT, PENALTY_LIMIT),
+    "response_format": _response_format,
 }
 
 _FIELDS = {  # method -> its own parameter names (besides the options of generate/chat)
     "generate": ("prompt", "ids", "stream"),
-    "chat": ("messages", "enable_thinking", "split_reasoning", "stream"),
+    "chat": ("messages", "enable_thinking", "split_reasoning", "tools", "tool_choice", "stream"),
     "tokenize": ("text", "add_special"),
     "detokenize": ("ids",),
     "cancel": ("id",),
@@ -283,10 +500,12 @@ def validate_params(method: str, params, vocab_size: int,
     if method == "chat":
         if "messages" not in p:
             raise BadRequest("chat needs messages ([{role, content}])")
+        tools = _tools(p.get("tools", []))
         return ChatParams(messages=_messages(p["messages"]),
                           enable_thinking=_bool("enable_thinking", p.get("enable_thinking", False)),
                           options=_options(p), stream=_bool("stream", p.get("stream", True)),
-                          split_reasoning=_bool("split_reasoning", p.get("split_reasoning", False)))
+                          split_reasoning=_bool("split_reasoning", p.get("split_reasoning", False)),
+                          tools=tools, tool_choice=_tool_choice(p.get("tool_choice", "auto"), tools))
     if method == "tokenize":
         if "text" not in p:
             raise BadRequest("tokenize needs text (str)")

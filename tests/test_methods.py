@@ -1,11 +1,12 @@
 """service/methods.py: wire params -> engine requests and options, engine results -> wire maps."""
 from kestreld.engine.generate import Completion, TokenEvent
 from kestreld.engine.prompt import ChatInput, TextInput
-from kestreld.engine.sampler import SamplingOptions
+from kestreld.engine.sampler import ResponseFormat, SamplingOptions
 from kestreld.protocol import validate_params
 from kestreld.service.methods import (KINDS, completion_result, engine_request,
                                       sampling_options, token_payload)
 from kestreld.protocol import METHODS
+from kestreld.text.tools import ToolCall
 from kestreld.vision.prompt import ImageFigures
 
 
@@ -55,3 +56,38 @@ def test_completion_result_map():
 def test_token_payload():
     assert token_payload(TokenEvent([3], "a")) == {"text": "a", "ids": [3]}
     assert token_payload(TokenEvent([3], "", None, "hm")) == {"text": "", "ids": [3], "reasoning": "hm"}
+
+
+def test_tools_response_format_and_penalties_reach_the_engine():
+    weather = {"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}
+    c = validate_params("chat", [{"messages": [{"role": "user", "content": "a"}],
+                                  "tools": [weather], "tool_choice": "required",
+                                  "response_format": {"type": "json_object"},
+                                  "presence_penalty": 0.5, "frequency_penalty": -1}], 100)
+    assert engine_request(c) == ChatInput(({"role": "user", "content": "a"},), tools=(weather,),
+                                          tool_choice="required")
+    assert sampling_options(c, 8) == SamplingOptions(
+        max_tokens=8, presence_penalty=0.5, frequency_penalty=-1.0,
+        response_format=ResponseFormat("json_object"))
+    schema = {"type": "array"}
+    g = validate_params("generate", [{"prompt": "a", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}], 100)
+    assert sampling_options(g, 8).response_format == ResponseFormat("json_schema", schema)
+    g = validate_params("generate", [{"prompt": "a", "response_format": {"type": "text"}}], 100)
+    assert sampling_options(g, 8).response_format is None
+
+
+def test_tool_calls_on_the_wire():
+    calls = [ToolCall("call_a", "w", '{"city": "Oslo"}'), ToolCall("call_b", "now", "{}")]
+    wire = [{"id": "call_a", "type": "function", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "now", "arguments": "{}"}}]
+    c = Completion(text="", ids=[5, 6], finish_reason="tool_calls", prompt_tokens=10,
+                   cached_tokens=0, cached_source=None, prefill_tokens=10, completion_tokens=2,
+                   prefill_ms=1.0, decode_ms=1.0, ttft_ms=1.0, tool_calls=calls)
+    m = completion_result(c, 0, 0)
+    assert m["tool_calls"] == wire and m["finish_reason"] == "tool_calls"
+    c.tool_calls = None
+    assert "tool_calls" not in completion_result(c, 0, 0)
+    assert token_payload(TokenEvent([5], "", tool_calls=calls[:1])) == \
+        {"text": "", "ids": [5], "tool_calls": wire[:1]}
+    assert "tool_calls" not in token_payload(TokenEvent([5], "x"))

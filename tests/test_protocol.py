@@ -161,3 +161,147 @@ def test_malformed_bytes():
     assert isinstance(out[0].error, BadRequest)
     out = FrameReader(1000).feed(packed([0, 1, "ping", []]) + b"\x94\x00\x09\xc1")
     assert out[0] == [0, 1, "ping", []] and out[1].msgid == 9
+
+
+# ---------------------------------------------------------------- tools, JSON output, penalties
+
+def chat(**p):
+    return validate_params("chat", [{"messages": [{"role": "user", "content": "hi"}], **p}], VOCAB)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "d",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string"}}}}}
+
+
+def test_penalties_are_options_in_openai_range():
+    g = gen(prompt="a", presence_penalty=-2, frequency_penalty=1.5)
+    assert g.options == {"presence_penalty": -2.0, "frequency_penalty": 1.5}
+    SamplingOptions(**g.options)
+    for name, v in (("presence_penalty", 2.01), ("frequency_penalty", -2.5),
+                    ("presence_penalty", math.nan), ("frequency_penalty", "1")):
+        with pytest.raises(BadRequest, match=name):
+            gen(prompt="a", **{name: v})
+
+
+def test_response_format_shapes():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert gen(prompt="a", response_format={"type": "json_object"}).options == \
+        {"response_format": {"kind": "json_object", "schema": None}}
+    assert chat(response_format={"type": "text"}).options == {"response_format": None}
+    rf = {"type": "json_schema", "json_schema": {"name": "thing-1", "schema": schema, "strict": True}}
+    assert chat(response_format=rf).options["response_format"] == {"kind": "json_schema",
+                                                                   "schema": schema}
+
+
+@pytest.mark.parametrize("rf, needle", [
+    ("json", "response_format must be"), ({"type": "yaml"}, "response_format must be"),
+    ({"type": "json_object", "schema": {}}, "unknown 'schema'"),
+    ({"type": "json_schema"}, "missing json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {}}}, "missing name"),
+    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": []}}, "JSON schema (a map)"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {}, "strict": "yes"}}, "strict"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "text"}}},
+     "schema.type must be one of"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "properties": {"a": {"type": ["string", "int"]}}}}}, "schema.properties.a.type"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"required": "a"}}},
+     "schema.required must be a list"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": []}}}, "enum"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"anyOf": [{"type": 1}]}}},
+     "schema.anyOf[0].type"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"items": "x"}}},
+     "schema.items must be a schema"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"const": b"\x00"}}},
+     "not a JSON value"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"minimum": math.inf}}},
+     "finite"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {1: {}}}}, "keys must be strings"),
+])
+def test_bad_response_formats_name_the_fault(rf, needle):
+    with pytest.raises(BadRequest) as e:
+        gen(prompt="a", response_format=rf)
+    assert needle in str(e.value)
+
+
+def test_schemas_are_bounded():
+    deep = {"type": "object"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    wide = {"enum": list(range(20000))}
+    for schema, needle in ((deep, "nested deeper than 32"), (wide, "more than 10000 values")):
+        with pytest.raises(BadRequest, match=needle):
+            gen(prompt="a", response_format={"type": "json_schema",
+                                             "json_schema": {"name": "n", "schema": schema}})
+
+
+def test_tools_and_tool_choice():
+    c = chat(tools=[WEATHER], tool_choice="required")
+    assert c.tools == (WEATHER,) and c.tool_choice == "required"
+    assert chat().tools == () and chat().tool_choice == "auto"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat(tools=[WEATHER], tool_choice=named).tool_choice == named
+    bare = {"type": "function", "function": {"name": "now"}}
+    assert chat(tools=[bare]).tools == (bare,)
+
+
+@pytest.mark.parametrize("p, needle", [
+    ({"tools": {"a": 1}}, "tools must be a list"),
+    ({"tools": [WEATHER] * 2}, "offered twice"),
+    ({"tools": [{"type": "function"}]}, "missing function"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 'tools[0].type must be "function"'),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "params": {}}}]}, "unknown 'params'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}]},
+     "tools[0].function.parameters.type"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+     "at most 128"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice must be one of"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "not in tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {}}}, "missing name"),
+])
+def test_bad_tools_name_the_fault(p, needle):
+    with pytest.raises(BadRequest) as e:
+        chat(**p)
+    assert needle in str(e.value)
+
+
+def test_tool_call_and_tool_messages():
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "assistant", "tool_calls": [dict(call, function={"name": "f", "arguments": {"x": 1}})]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            {"role": "tool", "content": "no id"}]
+    out = validate_params("chat", [{"messages": msgs}], VOCAB).messages
+    assert out[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert out[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"x": 1}}
+    assert out[3] == msgs[3] and out[4] == msgs[4]
+
+
+@pytest.mark.parametrize("m, needle", [
+    ({"role": "user", "content": "x", "tool_calls": []}, "allowed here: role, content, got"),
+    ({"role": "tool", "content": "x", "tool_calls": []}, "allowed here: role, content, tool_call_id, got"),
+    ({"role": "assistant", "content": "x", "tool_call_id": "c"}, "tool_calls"),
+    ({"role": "assistant"}, "must be a map with role and content"),
+    ({"role": ["x"], "content": "x"}, "role"),
+    ({"role": "assistant", "tool_calls": []}, "list of 1..64 calls"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}, "missing function"),
+    ({"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f", "arguments": "{}"}}]},
+     'type must be "function"'),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}, "missing arguments"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]},
+     "arguments must be a JSON string or a map"),
+    ({"role": "assistant", "tool_calls": [{"id": "", "function": {"name": "f", "arguments": "{}"}}]},
+     "id must be a string of 1..256"),
+    ({"role": "tool", "content": "x", "tool_call_id": 5}, "tool_call_id"),
+    ({"role": "user", "content": None}, "content must be a string"),
+])
+def test_bad_tool_messages_name_the_fault(m, needle):
+    with pytest.raises(BadRequest) as e:
+        validate_params("chat", [{"messages": [m]}], VOCAB)
+    assert needle in str(e.value)

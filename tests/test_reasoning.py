@@ -45,7 +45,7 @@ def test_engine_streams_the_split(zoo):
     opts = SamplingOptions(max_tokens=10, ignore_eos=True)
     plain = Engine(model, max_seq=128).generate(Prompt(ids), opts)
     events = []
-    split = Engine(model, max_seq=128).generate(Prompt(ids, reasoning=True), opts,
+    split = Engine(model, max_seq=128).generate(Prompt(ids, thinking=True, split_reasoning=True), opts,
                                                 on_token=events.append)
     assert plain.reasoning is None and split.text == "" and split.ids == plain.ids
     assert split.reasoning == plain.text and "</think>" not in plain.text

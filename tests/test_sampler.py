@@ -56,3 +56,69 @@ def test_extreme_values_stay_finite():
     out = s.penalize(lg, [0], [])
     assert np.isfinite(out).all() and out[0] > 1e38
     assert s.choose(out) == 0
+
+
+def _openai_penalties(logits, generated, presence, frequency):
+    """OpenAI's definition, token by token: mu[j] -= c[j] * frequency + (c[j] > 0) * presence,
+    c[j] the count of token j in the generated text (the prompt does not count)."""
+    out = np.array(logits, dtype=np.float64)
+    for j in range(out.size):
+        c = generated.count(j)
+        out[j] -= c * frequency + (1.0 if c > 0 else 0.0) * presence
+    return out
+
+
+def test_presence_and_frequency_penalties_against_openai_definition():
+    rng = np.random.default_rng(5)
+    lg = rng.normal(size=50).astype(np.float32)
+    prompt = [1, 2, 3, 3, 40]                    # the prompt's ids are not penalized
+    generated = [3, 7, 7, 7, 12, 3, 49]
+    for presence, frequency in ((0.5, 0.0), (0.0, 0.3), (1.5, -0.4), (-2.0, 2.0)):
+        s = Sampler(SamplingOptions(presence_penalty=presence, frequency_penalty=frequency))
+        out = s.penalize(lg, prompt, generated)
+        np.testing.assert_allclose(out, _openai_penalties(lg, generated, presence, frequency),
+                                   rtol=1e-12, atol=1e-6)
+        assert out[1] == lg[1] and out[40] == lg[40]
+    assert np.isclose(Sampler(SamplingOptions(frequency_penalty=1.0)).penalize(lg, [], generated)[7],
+                      lg[7] - 3.0)
+    # nothing generated yet, or both off: the logits as they are
+    s = Sampler(SamplingOptions(presence_penalty=1.0, frequency_penalty=1.0))
+    assert s.penalize(lg, prompt, []) is lg
+    assert Sampler(SamplingOptions()).penalize(lg, prompt, generated) is lg
+
+
+def test_penalties_after_the_repeat_penalty():
+    lg = np.array([4.0, -1.0, 3.0, 1.0], dtype=np.float32)
+    s = Sampler(SamplingOptions(repeat_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))
+    out = s.penalize(lg, [0], [1, 1, 2])
+    # repeat (llama.cpp, prompt + generated window): 0 -> 2, 1 -> -2, 2 -> 1.5; then OpenAI's
+    # over the generated ids: 1 -= 0.5 + 2 * 0.25, 2 -= 0.5 + 0.25
+    np.testing.assert_allclose(out, [2.0, -3.0, 0.75, 1.0])
+    assert s.choose(out) == 0 and lg[1] == -1.0
+
+
+class _OnlyEven:
+    """A stand-in grammar that allows even ids only and records what it was given."""
+
+    def __init__(self):
+        self.committed = []
+
+    def mask(self, logits):
+        out = np.array(logits, dtype=np.float64)
+        out[1::2] = -np.inf
+        return out
+
+    def commit(self, tok):
+        self.committed.append(tok)
+
+    finished = False
+
+
+def test_the_mask_applies_to_greedy_and_sampling_and_the_choice_is_committed():
+    lg = np.array([0.0, 9.0, 1.0, 8.0, 0.5], dtype=np.float32)
+    c = _OnlyEven()
+    assert Sampler(SamplingOptions(), c).next_token(lg, [], []) == 2   # argmax 1 is masked
+    s = Sampler(SamplingOptions(temperature=1.5, seed=3), c)
+    draws = {s.next_token(lg, [], []) for _ in range(200)}
+    assert draws == {0, 2, 4}
+    assert len(c.committed) == 201 and set(c.committed) == {0, 2, 4}

@@ -16,7 +16,9 @@ import numpy as np
 
 from ..errors import BadRequest, PromptTooLong
 from ..text.reasoning import ReasoningSplitter
+from ..text.tools import ToolCall, ToolCallParser
 from ..vision.prompt import ImageFigures
+from .constraint import Constraint, GrammarVocabulary, answer_grammar
 from .forward import Forward
 from .kvcache import KVCache
 from .prefix import PrefixCache
@@ -28,11 +30,14 @@ from .sampler import Sampler, SamplingOptions
 class TokenEvent:
     """One streamed piece: ids sampled since the last event and the text they completed
     ("" while a UTF-8 character is incomplete or a stop string may still be forming).
-    When the prompt splits reasoning, `text` is answer text and `reasoning` thinking text."""
+    When the prompt splits reasoning, `text` is answer text and `reasoning` thinking text.
+    With tools, a tool-call block's text is held back and `tool_calls` lists the calls
+    whose blocks this piece closed."""
     ids: list
     text: str
     logprobs: Optional[list] = None   # [{"id", "logprob", "top": [[id, logprob], ...]}]
     reasoning: Optional[str] = None
+    tool_calls: Optional[list] = None  # [ToolCall]
 
 
 @dataclass
@@ -40,7 +45,7 @@ class Completion:
     """The result of one request."""
     text: str
     ids: list                       # generated ids (an ending end-of-sequence id left out)
-    finish_reason: str              # "stop" | "length" | "cancelled"
+    finish_reason: str              # "stop" | "length" | "cancelled" | "tool_calls"
     prompt_tokens: int
     cached_tokens: int              # KV reused: from memory (the prefix rule) or the disk
     cached_source: Optional[str]    # "memory" | "disk" | None
@@ -53,6 +58,7 @@ class Completion:
     prefix_event: str = ""          # the [KV-PREFIX] log line of this request
     images: Optional[ImageFigures] = None
     reasoning: Optional[str] = None  # the thinking block, when the prompt splits it off
+    tool_calls: Optional[list[ToolCall]] = None   # the calls the answer made, if any
 
 
 ProgressFn = Callable[[int, int], None]      # (done, total) prefill tokens
@@ -83,38 +89,50 @@ class StopMatcher:
 
 
 class _Output:
-    """The answer's text as it is emitted: streamed to `on_token`, split into text and
-    reasoning when `reasoning` is not None (it says whether the answer starts inside the
-    thinking block), and kept for the Completion."""
+    """The answer's text as it is emitted: split into text and reasoning when the prompt
+    splits it, its tool calls parsed out of the text when the prompt offers tools (after
+    the split: the thinking block stays apart), streamed to `on_token` and kept for the
+    Completion."""
 
-    def __init__(self, on_token: Optional[TokenFn], reasoning: Optional[bool]):
+    def __init__(self, on_token: Optional[TokenFn], prompt: Prompt):
         self.on_token = on_token
-        self.splitter = ReasoningSplitter(reasoning) if reasoning is not None else None
+        self.splitter = ReasoningSplitter(bool(prompt.thinking)) if prompt.split_reasoning else None
+        self.parser = ToolCallParser() if prompt.tools is not None else None
         self.text: list = []
         self.reasoning: list = []
+        self.calls: list = []
 
     def emit(self, ids: list, piece: str, logprobs: Optional[list]) -> None:
         thought = None
         if self.splitter is not None:
             piece, thought = self.splitter.feed(piece)
-        self._send(ids, piece, thought, logprobs)
+        calls = []
+        if self.parser is not None:
+            piece, calls = self.parser.feed(piece)
+        self._send(ids, piece, thought, calls, logprobs)
 
-    def close(self) -> tuple[str, Optional[str]]:
-        """(text, reasoning or None) of the whole answer; what the splitter held back goes
-        out as a last event."""
-        if self.splitter is None:
-            return "".join(self.text), None
-        piece, thought = self.splitter.flush()
-        if piece or thought:
-            self._send([], piece, thought, None)
-        return "".join(self.text), "".join(self.reasoning)
+    def close(self) -> tuple[str, Optional[str], list]:
+        """(text, reasoning or None, tool calls) of the whole answer; what the splitter and
+        the parser held back goes out as a last event."""
+        piece, thought = self.splitter.flush() if self.splitter is not None else ("", None)
+        calls = []
+        if self.parser is not None:
+            piece, calls = self.parser.feed(piece)
+            rest, more = self.parser.flush()
+            piece, calls = piece + rest, calls + more
+        if piece or thought or calls:
+            self._send([], piece, thought, calls, None)
+        reasoning = "".join(self.reasoning) if self.splitter is not None else None
+        return "".join(self.text), reasoning, self.calls
 
-    def _send(self, ids: list, piece: str, thought: Optional[str], logprobs: Optional[list]) -> None:
+    def _send(self, ids: list, piece: str, thought: Optional[str], calls: list,
+              logprobs: Optional[list]) -> None:
         self.text.append(piece)
         if thought is not None:
             self.reasoning.append(thought)
+        self.calls += calls
         if self.on_token is not None:
-            self.on_token(TokenEvent(ids, piece, logprobs, thought))
+            self.on_token(TokenEvent(ids, piece, logprobs, thought, calls or None))
 
 
 # ---------------------------------------------------------------- the phases
@@ -167,6 +185,7 @@ class Engine:
         self.prefix = PrefixCache(prefix_kv, prefix_min)
         self.prompts = PromptBuilder(model, max_seq, image_dir)
         self.disk_kv = disk_kv      # diskkv.DiskKV or None: snapshots that outlive the process
+        self._grammar_vocab: Optional[GrammarVocabulary] = None   # at the first grammar
 
     @classmethod
     def from_config(cls, model, cfg, disk_kv=None) -> "Engine":
@@ -223,6 +242,7 @@ class Engine:
         prompt = _as_prompt(prompt)
         self._check_prompt(prompt)
         t0 = time.perf_counter()
+        constraint = self._constraint(prompt, opts)     # a bad schema fails before prefill
         kv, vision = self.kv, prompt.vision
         plan = self.prefix.plan(prompt.keys, kv.keys)
         kv.truncate(plan.keep)
@@ -233,12 +253,15 @@ class Engine:
             vision.encode(self.model.vision, keep, self.threads)
         logits = prefill(self.forward, prompt, self.prefill_chunk, should_stop, on_progress)
         t_prefill = time.perf_counter()
-        out = _Output(on_token, prompt.reasoning)
+        out = _Output(on_token, prompt)
         if logits is None:
             ids, finish, lps, t_first = [], "cancelled", None, None
         else:
-            ids, finish, lps, t_first = self._decode(prompt, logits, opts, out, should_stop)
-        text, reasoning = out.close()
+            ids, finish, lps, t_first = self._decode(prompt, logits, Sampler(opts, constraint),
+                                                     out, should_stop)
+        text, reasoning, calls = out.close()
+        if calls and finish == "stop":
+            finish = "tool_calls"
         t_end = time.perf_counter()
         if self.disk_kv is not None:
             self.disk_kv.save(kv)
@@ -248,7 +271,8 @@ class Engine:
             completion_tokens=len(ids), prefill_ms=(t_prefill - t0) * 1e3,
             decode_ms=(t_end - t_prefill) * 1e3, ttft_ms=((t_first or t_end) - t0) * 1e3,
             logprobs=lps, prefix_event=plan.log_line,
-            images=vision.figures() if vision is not None else None, reasoning=reasoning)
+            images=vision.figures() if vision is not None else None, reasoning=reasoning,
+            tool_calls=calls or None)
 
     def _check_prompt(self, prompt: Prompt) -> None:
         ids = prompt.ids
@@ -265,18 +289,29 @@ class Engine:
             raise BadRequest("the prompt holds image placeholder tokens but no images "
                              "(send image parts in chat messages)")
 
-    def _decode(self, prompt: Prompt, logits: np.ndarray, opts: SamplingOptions, out: "_Output",
+    def _constraint(self, prompt: Prompt, opts: SamplingOptions) -> Optional[Constraint]:
+        """The grammar the answer must follow, or None; the model's grammar vocabulary is
+        built at the first one (0.2-0.5 s) and kept."""
+        grammar = answer_grammar(opts.response_format, prompt.tools, prompt.thinking)
+        if grammar is None:
+            return None
+        if self._grammar_vocab is None:
+            self._grammar_vocab = GrammarVocabulary(self.tokenizer, self.vocab_size)
+        return Constraint(self._grammar_vocab, grammar)
+
+    def _decode(self, prompt: Prompt, logits: np.ndarray, sampler: Sampler, out: "_Output",
                 should_stop: Optional[StopFn]):
         """Sample, stream (through `out`) and feed tokens after the prefill. Returns
         (generated ids without an ending end-of-sequence id, finish_reason, logprobs or
         None, time of the first token)."""
         ids = prompt.ids
         delta = prompt.vision.delta if prompt.vision is not None else 0
+        opts = sampler.opts
         max_tokens = min(opts.max_tokens, self.kv.max_seq - len(ids))
-        sampler = Sampler(opts)
         decoder = self.tokenizer.incremental_decoder()
         stops = StopMatcher(opts.stop)
-        eos = set() if opts.ignore_eos else self.tokenizer.eos_ids
+        # ignore_eos (benchmarks) is for free text: a constrained answer ends where its grammar does
+        eos = set() if opts.ignore_eos and sampler.constraint is None else self.tokenizer.eos_ids
         generated: list = []
         text, emitted, pending = "", 0, []
         lps: Optional[list] = [] if opts.logprobs else None
@@ -284,7 +319,7 @@ class Engine:
         t_first = None
         while len(generated) < max_tokens:
             row = logits[0]
-            tok = sampler.choose(sampler.penalize(row, ids, generated))
+            tok = sampler.next_token(row, ids, generated)
             if t_first is None:
                 t_first = time.perf_counter()
             if tok in eos:
@@ -304,6 +339,9 @@ class Engine:
             out.emit(pending, text[emitted:safe], lps[-1:] if lps is not None else None)
             pending = []
             emitted = safe
+            if sampler.finished:          # the grammar is complete: only the end may follow
+                finish = "stop"
+                break
             if len(generated) >= max_tokens:
                 break
             if should_stop is not None and should_stop():

@@ -4,10 +4,12 @@
     TextInput(ids=...)   the ids as given
     ChatInput(messages)  rendered with the model's own chat template (whose text holds its
                          special tokens), tokenized; image parts decoded, preprocessed and
-                         their placeholders widened to the image's tokens (Qwen3-VL)
+                         their placeholders widened to the image's tokens (Qwen3-VL);
+                         tools rendered by the template too (text/tools.py)
 
 A `Prompt` holds the ids and, with images, their `VisionPrompt` (M-RoPE positions, prefix
-keys, the images to encode). `keys` is what the prefix rule compares.
+keys, the images to encode). `keys` is what the prefix rule compares. It also says how the
+answer is read: its thinking block, its tool calls.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Optional, Union
 from ..errors import BadRequest, PromptTooLong
 from ..text.chat import ChatTemplate
 from ..text.reasoning import opens_thinking
+from ..text.tools import ToolUse, template_messages
 from ..vision.images import decode_image, preprocess, read_image_part
 from ..vision.prompt import VisionPrompt, build_prompt, chat_images
 
@@ -35,11 +38,29 @@ class TextInput:
 @dataclass(frozen=True)
 class ChatInput:
     """A conversation: messages as ({"role", "content": str | (part, ...)}, ...), a part
-    being {"type": "text", "text"} or {"type": "image", "path" | "data"}.
-    `split_reasoning`: the answer's thinking block comes back apart (text/reasoning.py)."""
+    being {"type": "text", "text"} or {"type": "image", "path" | "data"}; an assistant
+    message may hold `tool_calls` ([{"id", "type": "function", "function": {"name",
+    "arguments": JSON str}}]), a "tool" message answers one (`tool_call_id`).
+    `split_reasoning`: the answer's thinking block comes back apart (text/reasoning.py).
+    `tools`: OpenAI function specs the answer may call ({"type": "function", "function":
+    {"name", "description", "parameters"}}); `tool_choice`: "auto", "none" (no tools
+    rendered), "required", or {"type": "function", "function": {"name"}} (that one)."""
     messages: tuple
     enable_thinking: bool = False
     split_reasoning: bool = False
+    tools: tuple = ()
+    tool_choice: Union[str, dict] = "auto"
+
+    def tool_use(self) -> Optional[ToolUse]:
+        """The tools the answer may call and how, or None (no tools, or "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            if name not in {t["function"]["name"] for t in self.tools}:
+                raise BadRequest(f"tool_choice names function {name!r}, which is not in tools")
+            return ToolUse(self.tools, required=True, only=name)
+        return ToolUse(self.tools, required=self.tool_choice == "required")
 
 
 Request = Union[TextInput, ChatInput]
@@ -47,12 +68,15 @@ Request = Union[TextInput, ChatInput]
 
 @dataclass
 class Prompt:
-    """Token ids for the model, and the images they hold (Qwen3-VL) if any. `reasoning`:
-    None (the answer is all text), or whether the answer starts inside an open thinking
-    block (its thinking is then split from its text)."""
+    """Token ids for the model, and the images they hold (Qwen3-VL) if any. How the answer
+    is read: `thinking` None (no thinking block), False (it may open one) or True (it
+    starts inside one the prompt opened); `split_reasoning`: the block comes back apart
+    from the text; `tools`: the tool calls it may (or must) make, parsed out of its text."""
     ids: list
     vision: Optional[VisionPrompt] = None
-    reasoning: Optional[bool] = None
+    thinking: Optional[bool] = None
+    split_reasoning: bool = False
+    tools: Optional[ToolUse] = None
 
     @property
     def keys(self) -> list:
@@ -81,13 +105,15 @@ class PromptBuilder:
                                 f"{self.max_seq} tokens (at most {self.max_text_chars})")
         return self.tokenizer.encode(text, add_special=add_special)
 
-    def render_chat(self, messages, enable_thinking: bool = False) -> str:
+    def render_chat(self, messages, enable_thinking: bool = False,
+                    tools: Optional[ToolUse] = None) -> str:
         """The prompt text of a conversation, from the model's own chat template."""
         tok = self.tokenizer
         special = {"bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                    "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else ""}
-        return self.chat.render(messages, add_generation_prompt=True,
-                                enable_thinking=enable_thinking, **special)
+        return self.chat.render(template_messages(messages), add_generation_prompt=True,
+                                enable_thinking=enable_thinking,
+                                tools=list(tools.tools) if tools is not None else None, **special)
 
     def build(self, request: Request) -> Prompt:
         """The prompt of a request. Bad images or image parts for a model without a vision
@@ -105,15 +131,17 @@ class PromptBuilder:
             hint = (" (a Qwen3-VL text GGUF: start kestreld with --mmproj FILE for its vision "
                     "encoder)" if self.model.config.arch == "qwen3vl" else "")
             raise BadRequest(f"the model {self.model.config.name} takes no images{hint}")
-        text = self.render_chat(rendered, request.enable_thinking)
+        tools = request.tool_use()
+        text = self.render_chat(rendered, request.enable_thinking, tools)
         ids = self.tokenize(text)
-        reasoning = opens_thinking(text) if request.split_reasoning else None
+        thinking = True if opens_thinking(text) else (False if request.enable_thinking else None)
+        answer = dict(thinking=thinking, split_reasoning=request.split_reasoning, tools=tools)
         if not parts:
-            return Prompt(ids, reasoning=reasoning)
+            return Prompt(ids, **answer)
         images = [preprocess(decode_image(read_image_part(p, self.image_dir)), vision.cfg.image)
                   for p in parts]
         ids, vp = build_prompt(ids, images, vision.cfg)
-        return Prompt(ids, vp, reasoning)
+        return Prompt(ids, vp, **answer)
 
 
 def _flatten_text(message: dict) -> dict:

@@ -1,7 +1,10 @@
-"""Choosing the next token from logits: penalties, greedy or sampled, log-probabilities.
+"""Choosing the next token from logits: penalties, a grammar's mask, greedy or sampled,
+log-probabilities.
 
-Order (as llama.cpp's default chain): repeat penalty -> (greedy: argmax) or
-temperature -> top-k -> top-p -> min-p -> draw with the request's seeded generator.
+Order (as llama.cpp's default chain): repeat penalty -> presence / frequency penalties ->
+the grammar's mask (response_format, forced tool calls: engine/constraint.py) -> (greedy:
+argmax) or temperature -> top-k -> top-p -> min-p -> draw with the request's seeded
+generator; the chosen token is then committed to the grammar.
 Log-probabilities are those of the model (log-softmax of the raw logits).
 """
 from __future__ import annotations
@@ -15,6 +18,14 @@ REPEAT_WINDOW = 64   # tokens looked back by the repeat penalty (llama.cpp's def
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """The answer must be JSON: any JSON object ("json_object") or a value valid for
+    `schema` ("json_schema"; validated at the edge, protocol.py)."""
+    kind: str                       # "json_object" | "json_schema"
+    schema: Optional[dict] = None   # the JSON schema of "json_schema"
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     """Per-request generation options (validated at the edge before they get here)."""
     max_tokens: int = 256
@@ -23,10 +34,13 @@ class SamplingOptions:
     top_p: float = 1.0              # 1: off
     min_p: float = 0.0              # 0: off
     repeat_penalty: float = 1.0     # 1: off (llama.cpp's rule, over the last 64 tokens)
+    presence_penalty: float = 0.0   # OpenAI's: minus this once for each token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the answer
     seed: Optional[int] = None
     stop: tuple = ()                # stop strings; the text ends before the first match
     ignore_eos: bool = False
     logprobs: int = 0               # top-k log-probabilities per generated token
+    response_format: Optional[ResponseFormat] = None
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -35,14 +49,43 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class Sampler:
-    """Per-request sampling state (its own random generator)."""
+    """Per-request sampling state: its own random generator and, for constrained output,
+    the request's grammar matcher (a `constraint.Constraint`)."""
 
-    def __init__(self, opts: SamplingOptions):
+    def __init__(self, opts: SamplingOptions, constraint=None):
         self.opts = opts
         self.rng = np.random.default_rng(opts.seed)
+        self.constraint = constraint
+
+    def next_token(self, logits: np.ndarray, prompt_ids, generated) -> int:
+        """The next id: penalties, the grammar's mask, then greedy or a draw; the id is
+        committed to the grammar (see `finished`)."""
+        logits = self.penalize(logits, prompt_ids, generated)
+        if self.constraint is None:
+            return self.choose(logits)
+        tok = self.choose(self.constraint.mask(logits))
+        self.constraint.commit(tok)
+        return tok
+
+    @property
+    def finished(self) -> bool:
+        """True when the grammar is complete and only end-of-sequence may follow."""
+        return self.constraint is not None and self.constraint.finished
 
     def penalize(self, logits: np.ndarray, prompt_ids, generated) -> np.ndarray:
-        """Repeat penalty over the last REPEAT_WINDOW ids of prompt + generated:
+        """The repeat penalty, then the presence and frequency penalties (a copy; `logits`
+        is left as it is)."""
+        out = self._repeat_penalty(logits, prompt_ids, generated)
+        o = self.opts
+        if (o.presence_penalty == 0.0 and o.frequency_penalty == 0.0) or not generated:
+            return out
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        out = out.astype(np.float64)     # a copy even when the repeat penalty made none
+        out[ids] -= o.presence_penalty + o.frequency_penalty * counts
+        return out
+
+    def _repeat_penalty(self, logits: np.ndarray, prompt_ids, generated) -> np.ndarray:
+        """llama.cpp's repeat penalty over the last REPEAT_WINDOW ids of prompt + generated:
         divide positive logits, multiply negative ones."""
         p = self.opts.repeat_penalty
         if p == 1.0:

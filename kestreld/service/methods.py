@@ -25,7 +25,7 @@ from typing import Callable, Union
 
 from ..engine.generate import Completion, TokenEvent
 from ..engine.prompt import ChatInput, Request, TextInput
-from ..engine.sampler import SamplingOptions
+from ..engine.sampler import ResponseFormat, SamplingOptions
 from ..protocol import (ChatParams, DetokenizeParams, GenerateParams, Params, TokenizeParams,
                         CancelParams, validate_params)
 from .scheduler import Event, Job, Scheduler
@@ -40,13 +40,23 @@ def engine_request(params: Union[GenerateParams, ChatParams]) -> Request:
     """The engine's request for generate / chat params."""
     if isinstance(params, ChatParams):
         return ChatInput(tuple(dict(m) for m in params.messages), params.enable_thinking,
-                         params.split_reasoning)
+                         params.split_reasoning, params.tools, params.tool_choice)
     return TextInput(text=params.prompt, ids=params.ids)
 
 
 def sampling_options(params: Union[GenerateParams, ChatParams], default_max_tokens: int) -> SamplingOptions:
     """The request's sampling options; max_tokens defaults to the daemon's --max-tokens."""
-    return SamplingOptions(**{"max_tokens": default_max_tokens, **params.options})
+    options = {"max_tokens": default_max_tokens, **params.options}
+    if options.get("response_format") is not None:
+        options["response_format"] = ResponseFormat(**options["response_format"])
+    return SamplingOptions(**options)
+
+
+def wire_tool_calls(calls) -> list:
+    """ToolCalls as OpenAI's wire maps: {"id", "type": "function", "function": {"name",
+    "arguments"}}."""
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
 
 
 def completion_result(c: Completion, queue_ms: float, ttft_ms: float) -> dict:
@@ -67,6 +77,8 @@ def completion_result(c: Completion, queue_ms: float, ttft_ms: float) -> dict:
            "usage": usage, "timings": timings}
     if c.reasoning is not None:
         out["reasoning"] = c.reasoning
+    if c.tool_calls:
+        out["tool_calls"] = wire_tool_calls(c.tool_calls)
     if c.logprobs is not None:
         out["logprobs"] = c.logprobs
     return out
@@ -77,6 +89,8 @@ def token_payload(ev: TokenEvent) -> dict:
     out = {"text": ev.text, "ids": list(ev.ids)}
     if ev.reasoning is not None:
         out["reasoning"] = ev.reasoning
+    if ev.tool_calls:
+        out["tool_calls"] = wire_tool_calls(ev.tool_calls)
     if ev.logprobs is not None:
         out["logprobs"] = ev.logprobs
     return out

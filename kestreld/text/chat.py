@@ -66,14 +66,17 @@ class ChatTemplate:
             raise BadRequest(f"chat template does not compile: {e}") from None
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-               enable_thinking: bool = False, bos_token: str = "", eos_token: str = "") -> str:
+               enable_thinking: bool = False, bos_token: str = "", eos_token: str = "",
+               tools: Optional[list] = None) -> str:
         """The prompt text for `messages` ([{"role", "content"}, ...]).
 
-        `enable_thinking` is passed to the template (Qwen3 honours it; others ignore it).
+        `enable_thinking` is passed to the template (Qwen3 honours it; others ignore it);
+        `tools` (function specs, or None) as transformers passes them (Qwen3's template
+        lists them in the system turn; templates without tools ignore them).
         Raises BadRequest with the template's message if rendering fails."""
         try:
             return self._template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
+                messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
                 enable_thinking=enable_thinking, bos_token=bos_token, eos_token=eos_token)
         except jinja2.TemplateError as e:
             raise BadRequest(f"chat template error: {e}") from None

@@ -21,7 +21,7 @@ def opens_thinking(prompt_text: str) -> bool:
     return tail.endswith(OPEN)
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag`."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -57,7 +57,7 @@ class ReasoningSplitter:
                     reasoning.append(text[:end])
                     self._state, text = "after", text[end + len(CLOSE):]
                 else:
-                    keep = _partial_tail(text, CLOSE)
+                    keep = partial_tail(text, CLOSE)
                     reasoning.append(text[:len(text) - keep])
                     self._held, text = text[len(text) - keep:], ""
             elif self._state == "after":

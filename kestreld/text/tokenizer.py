@@ -32,6 +32,7 @@ EOG_TEXTS = frozenset({
 # GGUF token_type values (gguf.TokenType) that become added special tokens.
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+_TOKEN_TYPE_UNUSED = 5        # padding ids ("[PAD151669]"): never text
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre`, as in llama.cpp's llm_tokenizer_bpe: each
 # regex splits the pieces the previous one produced, keeping matches and gaps ("isolated").
@@ -105,9 +106,13 @@ class Tokenizer:
     """Encode text to ids and decode ids to text for one model. Immutable, thread-safe."""
 
     def __init__(self, tok: HFTokenizer, token_bytes: list, bos_id: Optional[int],
-                 eos_id: Optional[int], eog_ids: Iterable[int], add_bos: bool):
+                 eos_id: Optional[int], eog_ids: Iterable[int], add_bos: bool,
+                 control_ids: Iterable[int] = ()):
         self._tok = tok
         self._token_bytes = token_bytes    # id -> the bytes that token decodes to
+        # control tokens (<|im_end|>, ...) and unused padding ids: not text, a grammar must
+        # not spell them (other added tokens, e.g. Qwen3's <tool_call>, are text that is one token)
+        self.control_ids = frozenset(control_ids)
         self.bos_id = bos_id
         self.eos_id = eos_id               # the model's own EOS (the template's eos_token)
         self.eos_ids = frozenset(i for i in {eos_id, *eog_ids} if i is not None)  # stop ids
@@ -147,7 +152,8 @@ class Tokenizer:
             add_bos = bool(config["add_bos_token"])
         else:  # whatever tokenizer.json's post-processor does
             add_bos = bos_id is not None and tok.encode("", add_special_tokens=True).ids[:1] == [bos_id]
-        return cls(tok, token_bytes, bos_id, eos_id, eog, add_bos)
+        control = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
+        return cls(tok, token_bytes, bos_id, eos_id, eog, add_bos, control)
 
     @classmethod
     def from_gguf_metadata(cls, fields: Mapping[str, Any]) -> "Tokenizer":
@@ -191,8 +197,9 @@ class Tokenizer:
         eog = {get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id")}
         eog.update(i for i, text in added.items() if text in EOG_TEXTS)
         add_bos = get("tokenizer.ggml.add_bos_token", pre.add_bos)
+        control = [i for i, t in enumerate(types) if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_UNUSED)]
         return cls(tok, _token_bytes_table(vocab, added), bos_id,
-                   get("tokenizer.ggml.eos_token_id"), eog, bool(add_bos))
+                   get("tokenizer.ggml.eos_token_id"), eog, bool(add_bos), control)
 
     # ---- use --------------------------------------------------------------------------
 

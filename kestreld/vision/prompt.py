@@ -188,6 +188,6 @@ def chat_images(messages) -> tuple[list, list]:
                 items.append({"type": "image"})
             else:
                 items.append({"type": "text", "text": part["text"]})
-        rendered.append({"role": m["role"], "content": items})
+        rendered.append(dict(m, content=items))
     return rendered, parts
 
