@@ -120,6 +120,55 @@ def test_sdk_stream_equals_whole_answer(sdk):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_sdk_tool_calls_named_required_and_streamed(sdk):
+    """An unmodified OpenAI SDK calls tools: a named tool_choice gives exactly one valid call
+    of it (finish_reason "tool_calls"), "required" valid calls, streamed as deltas with their
+    index, the whole call in one delta."""
+    import jsonschema
+    from test_constraint import ADD, WEATHER
+    params = {"get_weather": WEATHER["function"]["parameters"], "add": ADD["function"]["parameters"]}
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    r = sdk.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, ADD], max_tokens=120,
+                                    tool_choice={"type": "function", "function": {"name": "add"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), params["add"])
+    # the tool's answer goes back as a `tool` message, rendered by the model's template
+    follow = ask + [choice.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+    again = sdk.chat.completions.create(model=MODEL, messages=follow, max_tokens=8)
+    assert again.choices[0].finish_reason in ("stop", "length")
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, ADD],
+                                              tool_choice="required", temperature=0.7, seed=3,
+                                              max_tokens=120, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and [d.index for d in deltas] == list(range(len(deltas)))
+    for d in deltas:
+        jsonschema.validate(json.loads(d.function.arguments), params[d.function.name])
+
+
+def test_sdk_json_schema_answers_are_valid(sdk):
+    """response_format json_schema through the SDK: valid JSON for the schema on every seed
+    (sampled at temperature 0.8); json_object: a JSON object; OpenAI's penalties accepted."""
+    import jsonschema
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "legs"],
+              "properties": {"name": {"type": "string", "maxLength": 20},
+                             "legs": {"type": "integer", "minimum": 0, "maximum": 8}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "animal", "schema": schema, "strict": True}}
+    for seed in range(6):
+        r = sdk.chat.completions.create(model=MODEL, messages=QUESTION, response_format=fmt,
+                                        temperature=0.8, seed=seed, max_tokens=60,
+                                        presence_penalty=0.5, frequency_penalty=0.3)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=200,
+                                    response_format={"type": "json_object"}, temperature=0)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
 def test_raw_sse_stream_shape(http):
     """The wire form itself: `data: {...}` events, chat.completion.chunk objects, [DONE] last,
     no usage chunk unless asked for."""

@@ -126,15 +126,21 @@ def test_chat_response_shape():
 
 
 def test_tool_calls_of_the_completion_map_come_back_in_openai_shape():
-    calls = [{"id": "call_1", "name": "weather", "arguments": "{\"city\": \"Oslo\"}"}]
+    """The wire's tool calls (methods.wire_tool_calls) as OpenAI's message and deltas: each
+    streamed call with its index among the answer's calls."""
+    from kestreld.service.methods import wire_tool_calls
+    from kestreld.text.tools import ToolCall
+    calls = wire_tool_calls([ToolCall("call_1", "weather", "{\"city\": \"Oslo\"}")])
     req = chat_request({"messages": USER, "stream": True}, MODEL)
     answer = Answer(req, MODEL, token_bytes, 0)
     out = answer.response(dict(RESULT, text="", tool_calls=calls, finish_reason="tool_calls"))
     assert out["choices"][0]["message"]["tool_calls"] == [
         {"id": "call_1", "type": "function",
          "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]
-    chunk = answer.token_chunk({"text": "", "ids": [], "tool_calls": calls})
-    assert chunk["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
+    assert out["choices"][0]["finish_reason"] == "tool_calls"
+    for n in range(2):
+        chunk = answer.token_chunk({"text": "", "ids": [], "tool_calls": calls})
+        assert chunk["choices"][0]["delta"]["tool_calls"][0]["index"] == n
 
 
 def test_stream_chunks():

@@ -6,11 +6,10 @@ methods then validate exactly as they validate an RPC request: the same bounds, 
 messages, the same engine path. A completion map (methods.completion_result) or a `token`
 payload (methods.token_payload) becomes OpenAI's response, chunk or usage here.
 
-So the two transports cannot drift apart: an option the RPC methods learn is passed
-through (presence_penalty, frequency_penalty, response_format, tools and tool_choice go
-to the RPC params by their OpenAI names; the RPC validation refuses them with a 400 until
-the engine supports them), and a field the completion map gains (`tool_calls`) comes back
-in OpenAI's shape.
+So the two transports cannot drift apart: presence_penalty, frequency_penalty,
+response_format, tools and tool_choice go to the RPC params by their OpenAI names (the RPC
+methods take OpenAI's shapes for them), and the completion map's `tool_calls` (already in
+OpenAI's shape) come back as they are.
 
 Pure functions of their arguments (no engine, no I/O): `token_bytes(id) -> bytes` is how
 logprobs name their tokens.
@@ -35,8 +34,7 @@ TokenBytes = Callable[[int], bytes]
 # OpenAI's sampling fields, and llama.cpp's extras, that map one to one onto the RPC options
 # of the same name
 _SAME_NAME = ("temperature", "top_p", "seed", "top_k", "min_p", "repeat_penalty", "ignore_eos")
-# Fields of the other branch (grammar, penalties, tools): passed through by name when set,
-# so the RPC validation decides (a clear 400 until the engine has them).
+# OpenAI's penalties, passed by name when not neutral (0): the RPC validation checks them
 _PASSED_THROUGH = ("presence_penalty", "frequency_penalty")
 
 
@@ -164,7 +162,7 @@ def _messages(messages) -> list:
             raise BadRequest(f"messages[{i}] must be an object", param="messages")
         role = "system" if m.get("role") == "developer" else m.get("role")   # OpenAI's newer name
         message = {"role": role, "content": _content(m.get("content"), f"messages[{i}].content")}
-        # tool turns: handed to the RPC chat as they are (refused there until it has tools)
+        # tool turns: handed to the RPC chat as they are (it checks them)
         for key in ("tool_calls", "tool_call_id"):
             if m.get(key) is not None:
                 message[key] = m[key]
@@ -283,15 +281,10 @@ def completion_logprobs(entries: Optional[list], top: Optional[int], token_bytes
     return out
 
 
-def _tool_calls(calls: list, streamed: bool = False) -> list:
-    out = []
-    for n, call in enumerate(calls):
-        item = {"id": call["id"], "type": "function",
-                "function": {"name": call["name"], "arguments": call["arguments"]}}
-        if streamed:
-            item["index"] = n
-        out.append(item)
-    return out
+def _tool_calls(calls: list, streamed: bool = False, first: int = 0) -> list:
+    """The wire's tool calls (OpenAI's shape already); streamed, each with its index among
+    the answer's calls (`first`: how many came in earlier chunks)."""
+    return [dict(call, index=first + n) if streamed else dict(call) for n, call in enumerate(calls)]
 
 
 class Answer:
@@ -305,6 +298,7 @@ class Answer:
         self.model = model_id
         self.token_bytes = token_bytes
         self.text_chars = 0              # completions' text_offset across chunks
+        self.calls_sent = 0              # streamed tool calls so far (their index)
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -357,7 +351,8 @@ class Answer:
         if payload.get("reasoning") and self.chat:
             fields["reasoning_content"] = payload["reasoning"]
         if payload.get("tool_calls") and self.chat:
-            fields["tool_calls"] = _tool_calls(payload["tool_calls"], streamed=True)
+            fields["tool_calls"] = _tool_calls(payload["tool_calls"], True, self.calls_sent)
+            self.calls_sent += len(payload["tool_calls"])
         top, lps = self.req.top_logprobs, payload.get("logprobs")
         if self.chat:
             logprobs = chat_logprobs(lps, top, self.token_bytes)
