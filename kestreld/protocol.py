@@ -16,7 +16,7 @@ import math
 import re
 import reprlib
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import msgpack
 
@@ -524,22 +524,19 @@ def validate_params(method: str, params, vocab_size: int,
 
 # ---------------------------------------------------------------- messages
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     msgid: int
     method: str
     params: object
 
 
-@dataclass(frozen=True)
-class Response:
+class Response(NamedTuple):
     msgid: int
     error: Optional[dict]
     result: object
 
 
-@dataclass(frozen=True)
-class Notification:
+class Notification(NamedTuple):
     method: str
     params: object
 

@@ -73,26 +73,25 @@ def completion_result(c: Completion, queue_ms: float, ttft_ms: float) -> dict:
     if c.images is not None:
         usage.update(images=c.images.images, visual_tokens=c.images.visual_tokens)
         timings["encode_ms"] = c.images.encode_ms
-    out = {"text": c.text, "ids": list(c.ids), "finish_reason": c.finish_reason,
-           "usage": usage, "timings": timings}
-    if c.reasoning is not None:
-        out["reasoning"] = c.reasoning
-    if c.tool_calls:
-        out["tool_calls"] = wire_tool_calls(c.tool_calls)
-    if c.logprobs is not None:
-        out["logprobs"] = c.logprobs
-    return out
+    return {"text": c.text, "ids": list(c.ids), "finish_reason": c.finish_reason,
+            "usage": usage, "timings": timings, **_optional(c)}
 
 
 def token_payload(ev: TokenEvent) -> dict:
     """The `token` notification's payload of a TokenEvent."""
-    out = {"text": ev.text, "ids": list(ev.ids)}
-    if ev.reasoning is not None:
-        out["reasoning"] = ev.reasoning
-    if ev.tool_calls:
-        out["tool_calls"] = wire_tool_calls(ev.tool_calls)
-    if ev.logprobs is not None:
-        out["logprobs"] = ev.logprobs
+    return {"text": ev.text, "ids": list(ev.ids), **_optional(ev)}
+
+
+def _optional(answer) -> dict:
+    """The fields a completion map and a token payload carry only when there are some:
+    the thinking text, tool calls, log-probabilities."""
+    out = {}
+    if answer.reasoning is not None:
+        out["reasoning"] = answer.reasoning
+    if answer.tool_calls:
+        out["tool_calls"] = wire_tool_calls(answer.tool_calls)
+    if answer.logprobs is not None:
+        out["logprobs"] = answer.logprobs
     return out
 
 
