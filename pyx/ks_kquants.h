@@ -127,55 +127,60 @@ static inline void ks_kq_dequant_row(const int kind, const uint8_t *restrict row
 
 /* ---- the product: plain C reference path ------------------------------------------------- */
 
-/* Rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T; w rows are w_stride bytes apart. */
+/* One activation block j (32 values: sub-block j % 8 of superblock j / 8) of a row, the
+ * plain product's step (KS_PLAIN_MATMUL_ROWS), in the order the header states. */
+static inline float ks_kq_block_step(const int kind, const uint8_t *row, int j, const int8_t *xb,
+                                     float xd, float acc)
+{
+    const uint8_t *blk = row + (int64_t)(j / 8) * ks_kq_bytes(kind);
+    const int s = j % 8;
+    if (kind == KS_KQ_Q6K) {
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        int8_t q[32];
+        int32_t sa = 0, sb = 0;
+        ks_q6k_codes(blk, s, q);
+        for (int e = 0; e < 16; e++) {
+            sa += (int32_t)q[e] * xb[e];
+            sb += (int32_t)q[e + 16] * xb[e + 16];
+        }
+        const int32_t isum = sc[2 * s] * sa + sc[2 * s + 1] * sb;
+        const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk + 208));
+        return KS_FMADD((float)isum, d * xd, acc);
+    }
+    uint64_t sc, mn;
+    uint8_t q[32];
+    int32_t isum = 0, xsum = 0;
+    ks_kq_scales_mins(blk + 4, &sc, &mn);
+    ks_kq_codes(kind, blk, s, q);
+    for (int e = 0; e < 32; e++) {
+        isum += (int32_t)q[e] * xb[e];
+        xsum += xb[e];
+    }
+    const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk));
+    const float dmin = ks_fp16_to_f32_plain(ks_load_u16le(blk + 2));
+    const float dsc = d * (float)(uint8_t)(sc >> 8 * s);
+    const float dmn = dmin * (float)(uint8_t)(mn >> 8 * s);
+    acc = KS_FMADD((float)isum, dsc * xd, acc);
+    return KS_FMADD((float)xsum, (-dmn) * xd, acc);
+}
+
+#define KS_KQ_STEP(name, kind) \
+    static inline float ks_##name##_step(const uint8_t *row, int j, const int8_t *x, float xd, float acc) \
+    { return ks_kq_block_step(kind, row, j, x, xd, acc); }
+KS_KQ_STEP(q4k, KS_KQ_Q4K)
+KS_KQ_STEP(q5k, KS_KQ_Q5K)
+KS_KQ_STEP(q6k, KS_KQ_Q6K)
+KS_PLAIN_MATMUL_ROWS(ks_q4k_matmul_rows_plain, ks_q4k_step)
+KS_PLAIN_MATMUL_ROWS(ks_q5k_matmul_rows_plain, ks_q5k_step)
+KS_PLAIN_MATMUL_ROWS(ks_q6k_matmul_rows_plain, ks_q6k_step)
+
+/* The plain product of a K type by its kind (the fallback of builds without SIMD). */
 static inline void ks_kq_matmul_rows_plain(const int kind, const uint8_t *w, int64_t w_stride,
                                            const int8_t *xq, const float *xd, int n, int k,
                                            float *out, int m, int r0, int r1)
 {
-    const int nb = k / KS_QK, bytes = ks_kq_bytes(kind);
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *wr = w + (int64_t)r * w_stride;
-        for (int t = 0; t < n; t++) {
-            const int8_t *xt = xq + (int64_t)t * k;
-            const float *dt = xd + (int64_t)t * nb;
-            float acc = 0.0f;
-            for (int j = 0; j < nb; j++) {
-                const uint8_t *blk = wr + (int64_t)(j / 8) * bytes;
-                const int8_t *xb = xt + j * KS_QK;
-                const int s = j % 8;
-                if (kind == KS_KQ_Q6K) {
-                    const int8_t *sc = (const int8_t *)(blk + 192);
-                    int8_t q[32];
-                    int32_t sa = 0, sb = 0;
-                    ks_q6k_codes(blk, s, q);
-                    for (int e = 0; e < 16; e++) {
-                        sa += (int32_t)q[e] * xb[e];
-                        sb += (int32_t)q[e + 16] * xb[e + 16];
-                    }
-                    const int32_t isum = sc[2 * s] * sa + sc[2 * s + 1] * sb;
-                    const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk + 208));
-                    acc = KS_FMADD((float)isum, d * dt[j], acc);
-                    continue;
-                }
-                uint64_t sc, mn;
-                uint8_t q[32];
-                int32_t isum = 0, xsum = 0;
-                ks_kq_scales_mins(blk + 4, &sc, &mn);
-                ks_kq_codes(kind, blk, s, q);
-                for (int e = 0; e < 32; e++) {
-                    isum += (int32_t)q[e] * xb[e];
-                    xsum += xb[e];
-                }
-                const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk));
-                const float dmin = ks_fp16_to_f32_plain(ks_load_u16le(blk + 2));
-                const float dsc = d * (float)(uint8_t)(sc >> 8 * s);
-                const float dmn = dmin * (float)(uint8_t)(mn >> 8 * s);
-                acc = KS_FMADD((float)isum, dsc * dt[j], acc);
-                acc = KS_FMADD((float)xsum, (-dmn) * dt[j], acc);
-            }
-            out[(int64_t)t * m + r] = acc;
-        }
-    }
+    (kind == KS_KQ_Q4K ? ks_q4k_matmul_rows_plain : kind == KS_KQ_Q5K ? ks_q5k_matmul_rows_plain
+                       : ks_q6k_matmul_rows_plain)(w, w_stride, xq, xd, n, k, out, m, r0, r1);
 }
 
 /* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ----
@@ -390,15 +395,6 @@ KS_INLINE __m256 ks_kq_isum(const int kind, const int R, const int T, const uint
     return _mm256_cvtepi32_ps(ks_hsum8x8_avx2(p));
 }
 
-/* acc + a * b with the one rounding of KS_FMADD */
-KS_INLINE __m256 ks_fmadd8(__m256 a, __m256 b, __m256 acc)
-{
-#if defined(KS_HAS_FMA)
-    return _mm256_fmadd_ps(a, b, acc);
-#else
-    return _mm256_add_ps(_mm256_mul_ps(a, b), acc);
-#endif
-}
 #else /* NEON: lanes 0-3 and 4-7 are two int32x4 / float32x4; R >= 4, so each half has one token */
 
 /* 4 int32 partial sums of w . x over 16 values */
@@ -509,12 +505,12 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
             const __m256 isum = ks_kq_isum(kind, R, T, wp, off, s, xp, b);
             const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
                                              dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
-            acc = ks_fmadd8(isum, _mm256_mul_ps(d, dx), acc);
+            acc = ks_fmadd_avx2(isum, _mm256_mul_ps(d, dx), acc);
             if (kind != KS_KQ_Q6K) {
                 const __m256 sx = _mm256_setr_ps(sp[0 / R][b], sp[1 / R][b], sp[2 / R][b],
                                                  sp[3 / R][b], sp[4 / R][b], sp[5 / R][b],
                                                  sp[6 / R][b], sp[7 / R][b]);
-                acc = ks_fmadd8(sx, _mm256_mul_ps(dm[s], dx), acc);
+                acc = ks_fmadd_avx2(sx, _mm256_mul_ps(dm[s], dx), acc);
             }
 #else
             float32x4_t is[2];
@@ -653,11 +649,11 @@ KS_KQ_VNNI void ks_kq_tile_vnni(const int kind, const int T, const uint8_t *w, i
                     const __m256i sbh = ks_kq_dot_vnni(_mm256_set1_epi32(hp[j][2 * b + 1]), codes, xb, 4, 8);
                     const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sa, sc6[2 * s]),
                                                           _mm256_mullo_epi32(sbh, sc6[2 * s + 1]));
-                    acc[j] = ks_fmadd8(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[0], dx), acc[j]);
+                    acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[0], dx), acc[j]);
                 } else {
                     const __m256i isum = ks_kq_dot_vnni(_mm256_setzero_si256(), codes, xb, 0, 8);
-                    acc[j] = ks_fmadd8(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[s], dx), acc[j]);
-                    acc[j] = ks_fmadd8(_mm256_set1_ps(sp[j][b]), _mm256_mul_ps(dm[s], dx), acc[j]);
+                    acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[s], dx), acc[j]);
+                    acc[j] = ks_fmadd_avx2(_mm256_set1_ps(sp[j][b]), _mm256_mul_ps(dm[s], dx), acc[j]);
                 }
             }
         }
@@ -788,9 +784,7 @@ static inline void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w
     static inline void ks_##name##_dequant_row(const uint8_t *row, float *out, int k)         \
     { ks_kq_dequant_row(kind, row, out, k); }                                                  \
     static void ks_##name##_matmul_rows(KS_KQ_MATMUL_PARAMS)                                   \
-    { ks_kq_matmul_rows(kind, KS_KQ_MATMUL_ARGS); }                                            \
-    static void ks_##name##_matmul_rows_plain(KS_KQ_MATMUL_PARAMS)                             \
-    { ks_kq_matmul_rows_plain(kind, KS_KQ_MATMUL_ARGS); }
+    { ks_kq_matmul_rows(kind, KS_KQ_MATMUL_ARGS); }
 
 KS_KQ_ENTRY_POINTS(q4k, KS_KQ_Q4K)
 KS_KQ_ENTRY_POINTS(q5k, KS_KQ_Q5K)

@@ -89,36 +89,34 @@ static inline void ks_q4x_dequant_row(int f, const uint8_t *restrict row, float 
 
 /* ---- the product: plain C reference path ------------------------------------------------- */
 
-/* Rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T; w rows are w_stride bytes apart. */
-static inline void ks_q4x_matmul_rows_plain(int f, const uint8_t *w, int64_t w_stride,
-                                            const int8_t *xq, const float *xd, int n, int k,
-                                            float *out, int m, int r0, int r1)
+/* One activation block b of a row (the plain product's step, KS_PLAIN_MATMUL_ROWS):
+ * acc = fma(isum, d * xd, acc), then for Q4_1 acc = fma(xsum, m * xd, acc). */
+static inline float ks_q4x_block_step(int f, const uint8_t *row, int b, const int8_t *x,
+                                      float xd, float acc)
 {
-    const int nb = k / KS_QK;
+    const uint8_t *blk = row + (int64_t)b * ks_q4x_block_bytes(f);
     int8_t c[KS_QK];
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *wr = w + (int64_t)r * w_stride;
-        for (int t = 0; t < n; t++) {
-            const int8_t *xt = xq + (int64_t)t * k;
-            const float *dt = xd + (int64_t)t * nb;
-            float acc = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                const uint8_t *blk = wr + (int64_t)b * ks_q4x_block_bytes(f);
-                ks_q4x_codes(f, blk, c);
-                const int32_t isum = ks_dot_block_plain(c, xt + b * KS_QK);
-                const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk));
-                acc = KS_FMADD((float)isum, d * dt[b], acc);
-                if (f == KS_Q4X_Q4_1) {
-                    int32_t xsum;
-                    ks_q4x_block_sums(xt + b * KS_QK, 1, &xsum);
-                    const float mn = ks_fp16_to_f32_plain(ks_load_u16le(blk + 2));
-                    acc = KS_FMADD((float)xsum, mn * dt[b], acc);
-                }
-            }
-            out[(int64_t)t * m + r] = acc;
-        }
+    ks_q4x_codes(f, blk, c);
+    const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk));
+    acc = KS_FMADD((float)ks_dot_block_plain(c, x), d * xd, acc);
+    if (f == KS_Q4X_Q4_1) {
+        int32_t xsum;
+        ks_q4x_block_sums(x, 1, &xsum);
+        const float mn = ks_fp16_to_f32_plain(ks_load_u16le(blk + 2));
+        acc = KS_FMADD((float)xsum, mn * xd, acc);
     }
+    return acc;
 }
+
+#define KS_Q4X_STEP(fmt) \
+    static inline float ks_q4x_step_##fmt(const uint8_t *row, int b, const int8_t *x, float xd, float acc) \
+    { return ks_q4x_block_step(KS_Q4X_##fmt, row, b, x, xd, acc); }
+KS_Q4X_STEP(Q4_0)
+KS_Q4X_STEP(Q4_1)
+KS_Q4X_STEP(Q5_0)
+KS_PLAIN_MATMUL_ROWS(ks_q4_0_matmul_rows_plain, ks_q4x_step_Q4_0)
+KS_PLAIN_MATMUL_ROWS(ks_q4_1_matmul_rows_plain, ks_q4x_step_Q4_1)
+KS_PLAIN_MATMUL_ROWS(ks_q5_0_matmul_rows_plain, ks_q4x_step_Q5_0)
 
 /* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ---- */
 
@@ -180,14 +178,6 @@ KS_INLINE __m256i ks_hsum4x2_avx2(const __m256i p[4])
                             _mm256_shuffle_epi32(_mm256_blend_epi32(s1, s0, 0xCC), 0x4E));
 }
 
-KS_INLINE __m256 ks_fmadd_avx2(__m256 a, __m256 b, __m256 acc)
-{
-#if defined(KS_HAS_FMA)
-    return _mm256_fmadd_ps(a, b, acc);
-#else
-    return _mm256_add_ps(_mm256_mul_ps(a, b), acc);
-#endif
-}
 #else
 /* The block's 32 codes c as two int8x16 (values 0..15, 16..31). */
 KS_INLINE void ks_q4x_codes_neon(const int f, const uint8_t *blk, int8x16_t *c0, int8x16_t *c1)
@@ -212,32 +202,10 @@ KS_INLINE void ks_q4x_codes_neon(const int f, const uint8_t *blk, int8x16_t *c0,
     *c1 = vreinterpretq_s8_u8(hi);
 }
 
-/* Four fp16 scales -> float32x4. */
-KS_INLINE float32x4_t ks_f16x4_neon(uint64_t h0, uint64_t h1, uint64_t h2, uint64_t h3)
-{
-    return vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(h0 | h1 << 16 | h2 << 32 | h3 << 48)));
-}
 #endif
 
-/* A tile's R rows (wp) and T tokens (activations xp, scales dp, block sums sp); rows >= rv /
- * tokens >= tv repeat the last valid one, so edges need no second loop. */
-KS_INLINE void ks_q4x_tile_inputs(const int R, const int T, const uint8_t *w, int64_t w_stride,
-                                  int rv, const int8_t *x, const float *xd, const int32_t *xs,
-                                  int tv, int nb, const uint8_t **wp, const int8_t **xp,
-                                  const float **dp, const int32_t **sp)
-{
-    for (int i = 0; i < R; i++)
-        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
-    for (int j = 0; j < T; j++) {
-        const int64_t jt = j < tv ? j : tv - 1;
-        xp[j] = x + jt * nb * KS_QK;
-        dp[j] = xd + jt * nb;
-        sp[j] = xs + jt * nb;
-    }
-}
-
 /* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2; rows and
- * tokens as ks_q4x_tile_inputs. xs: the tile's first token's block sums, nb per token (used
+ * tokens as ks_tile_inputs. xs: the tile's first token's block sums, nb per token (used
  * where KS_Q4X_NEEDS_XSUM). pf (or NULL): block b prefetches
  * pf + b * pf_step, pf_step bytes (see ks_prefetch_rows). */
 KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t *w,
@@ -250,7 +218,7 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
     const int8_t *xp[8];
     const float *dp[8];
     const int32_t *sp[8];
-    ks_q4x_tile_inputs(R, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
+    ks_tile_inputs(R, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
 #if defined(KS_AVX2)
     /* vector v holds the pairs (lanes) v and v + 4: for 8 x 1 rows v and v + 4, for 4 x 2 row v
      * with tokens 0 and 1 */
@@ -300,8 +268,7 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 #else /* NEON: lanes 0-3 and 4-7 are two float32x4; R >= 4, so each half has one token */
     float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
     for (int b = 0; b < nb; b++) {
-        int8x16_t w0[8], w1[8], x0[8], x1[8];
-        int32x4_t p[8];
+        int8x16_t w0[8], w1[8];
         uint64_t h[8], hm[8];
         if (pf)
             ks_prefetch_rows(pf + b * pf_step, pf_step);
@@ -311,15 +278,9 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
             h[i] = ks_load_u16le(blk);
             hm[i] = f == KS_Q4X_Q4_1 ? ks_load_u16le(blk + 2) : 0;
         }
-        for (int j = 0; j < T; j++) {
-            x0[j] = vld1q_s8(xp[j] + b * KS_QK);
-            x1[j] = vld1q_s8(xp[j] + b * KS_QK + 16);
-        }
-        for (int j = 0; j < T; j++)
-            for (int i = 0; i < R; i++)
-                p[j * R + i] = ks_dot_block_neon(w0[i], w1[i], x0[j], x1[j]);
-        const float32x4_t is0 = vcvtq_f32_s32(ks_hsum4x4_neon(p[0], p[1], p[2], p[3]));
-        const float32x4_t is1 = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
+        float32x4_t isum[2];
+        ks_tile_isums_neon(R, T, w0, w1, xp, b, isum);
+        const float32x4_t is0 = isum[0], is1 = isum[1];
         const float dx0 = dp[0 / R][b], dx1 = dp[4 / R][b];
         const float32x4_t dw0 = ks_f16x4_neon(h[0 % R], h[1 % R], h[2 % R], h[3 % R]);
         const float32x4_t dw1 = ks_f16x4_neon(h[4 % R], h[5 % R], h[6 % R], h[7 % R]);
@@ -365,7 +326,7 @@ __m256i ks_q5_bits_vnni(__m256i qh, const int s)
                             _mm256_set1_epi8(16));
 }
 
-/* res[j * 8 + i] = out value of row i, token j; rows and tokens as ks_q4x_tile_inputs. xs: the
+/* res[j * 8 + i] = out value of row i, token j; rows and tokens as ks_tile_inputs. xs: the
  * tile's first token's block sums, nb per token. */
 KS_VNNI_TARGET static inline __attribute__((always_inline))
 void ks_q4x_tile_vnni(const int f, const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
@@ -377,7 +338,7 @@ void ks_q4x_tile_vnni(const int f, const uint8_t *w, int64_t w_stride, int rv, c
     const int8_t *xp[T];
     const float *dp[T];
     const int32_t *sp[T];
-    ks_q4x_tile_inputs(8, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
+    ks_tile_inputs(8, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
     const __m256i low = _mm256_set1_epi8(15);
     __m256 acc[T];
     for (int j = 0; j < T; j++)
@@ -480,7 +441,7 @@ KS_VNNI_TARGET static void ks_q4_1_matmul_rows_vnni(KS_Q4X_ROWS_PARAMS) { ks_q4x
 KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows_vnni(KS_Q4X_Q5_0, KS_Q4X_ROWS_ARGS); }
 #endif
 
-/* Same contract as ks_q4x_matmul_rows_plain. Decode (n == 1): tiles of 8 rows, prefetching the
+/* Same contract as the plain products (KS_PLAIN_MATMUL_ROWS). Decode (n == 1): tiles of 8 rows, prefetching the
  * next tile as ks_q8.h does; prefill: tiles of 4 rows x 2 tokens (8 rows x 8 tokens on VNNI). */
 static inline __attribute__((always_inline))
 void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
@@ -525,16 +486,14 @@ void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
         }
     }
 #else
-    ks_q4x_matmul_rows_plain(f, KS_Q4X_ROWS_ARGS);
+    (f == KS_Q4X_Q4_0 ? ks_q4_0_matmul_rows_plain : f == KS_Q4X_Q4_1 ? ks_q4_1_matmul_rows_plain
+                      : ks_q5_0_matmul_rows_plain)(KS_Q4X_ROWS_ARGS);
 #endif
 }
 
 static void ks_q4_0_dequant_row(const uint8_t *row, float *out, int k) { ks_q4x_dequant_row(KS_Q4X_Q4_0, row, out, k); }
 static void ks_q4_1_dequant_row(const uint8_t *row, float *out, int k) { ks_q4x_dequant_row(KS_Q4X_Q4_1, row, out, k); }
 static void ks_q5_0_dequant_row(const uint8_t *row, float *out, int k) { ks_q4x_dequant_row(KS_Q4X_Q5_0, row, out, k); }
-static void ks_q4_0_matmul_rows_plain(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows_plain(KS_Q4X_Q4_0, KS_Q4X_ROWS_ARGS); }
-static void ks_q4_1_matmul_rows_plain(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows_plain(KS_Q4X_Q4_1, KS_Q4X_ROWS_ARGS); }
-static void ks_q5_0_matmul_rows_plain(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows_plain(KS_Q4X_Q5_0, KS_Q4X_ROWS_ARGS); }
 static void ks_q4_0_matmul_rows(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows(KS_Q4X_Q4_0, KS_Q4X_ROWS_ARGS); }
 static void ks_q4_1_matmul_rows(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows(KS_Q4X_Q4_1, KS_Q4X_ROWS_ARGS); }
 static void ks_q5_0_matmul_rows(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows(KS_Q4X_Q5_0, KS_Q4X_ROWS_ARGS); }

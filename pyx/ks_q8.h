@@ -57,28 +57,37 @@ static inline int32_t ks_dot_block_plain(const int8_t *restrict w, const int8_t 
     return s;
 }
 
-/* Rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T; w rows are w_stride bytes apart. */
-static void ks_q8_matmul_rows_plain(const uint8_t *w, int64_t w_stride, const int8_t *xq,
-                                    const float *xd, int n, int k, float *out, int m,
-                                    int r0, int r1)
-{
-    const int nb = k / KS_QK;
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *wr = w + (int64_t)r * w_stride;
-        for (int t = 0; t < n; t++) {
-            const int8_t *xt = xq + (int64_t)t * k;
-            const float *dt = xd + (int64_t)t * nb;
-            float acc = 0.0f;
-            for (int b = 0; b < nb; b++) {
-                const uint8_t *blk = wr + b * KS_QBLOCK;
-                const int32_t isum = ks_dot_block_plain((const int8_t *)(blk + 2), xt + b * KS_QK);
-                const float dw = ks_fp16_to_f32_plain(ks_load_u16le(blk));
-                acc = KS_FMADD((float)isum, dw * dt[b], acc);
-            }
-            out[(int64_t)t * m + r] = acc;
-        }
+/* The plain C product of every weight type, the reference its SIMD paths must equal: rows
+ * [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T, w rows w_stride bytes apart. For each
+ * (row, token) the accumulator starts at 0 and takes, activation block b by block in order,
+ * acc = STEP(row, b, xq block b, its scale, acc): the type's exact integer block sum and its
+ * fixed float epilogue (each type's header says it). */
+#define KS_PLAIN_MATMUL_ROWS(name, STEP)                                                        \
+    static void name(const uint8_t *w, int64_t w_stride, const int8_t *xq, const float *xd,     \
+                     int n, int k, float *out, int m, int r0, int r1)                           \
+    {                                                                                           \
+        const int nb = k / KS_QK;                                                               \
+        for (int r = r0; r < r1; r++) {                                                         \
+            const uint8_t *wr = w + (int64_t)r * w_stride;                                      \
+            for (int t = 0; t < n; t++) {                                                       \
+                const int8_t *xt = xq + (int64_t)t * k;                                         \
+                float acc = 0.0f;                                                               \
+                for (int b = 0; b < nb; b++)                                                    \
+                    acc = STEP(wr, b, xt + b * KS_QK, xd[(int64_t)t * nb + b], acc);            \
+                out[(int64_t)t * m + r] = acc;                                                  \
+            }                                                                                   \
+        }                                                                                       \
     }
+
+/* Q8_0: acc = fma(isum, d_w * xd, acc) */
+static inline float ks_q8_block_step(const uint8_t *row, int b, const int8_t *x, float xd, float acc)
+{
+    const uint8_t *blk = row + b * KS_QBLOCK;
+    const int32_t isum = ks_dot_block_plain((const int8_t *)(blk + 2), x);
+    return KS_FMADD((float)isum, ks_fp16_to_f32_plain(ks_load_u16le(blk)) * xd, acc);
 }
+
+KS_PLAIN_MATMUL_ROWS(ks_q8_matmul_rows_plain, ks_q8_block_step)
 
 /* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ---- */
 
@@ -102,6 +111,16 @@ KS_INLINE __m256i ks_pairsum_avx2(__m256i a, __m256i b)
     const __m256i x = _mm256_blend_epi32(a, b, 0xAA);
     const __m256i y = _mm256_shuffle_epi32(_mm256_blend_epi32(b, a, 0xAA), 0xB1);
     return _mm256_add_epi32(x, y);
+}
+
+/* acc + a * b lane by lane, with the one rounding of KS_FMADD (every type's tiles use it) */
+KS_INLINE __m256 ks_fmadd_avx2(__m256 a, __m256 b, __m256 acc)
+{
+#if defined(KS_HAS_FMA)
+    return _mm256_fmadd_ps(a, b, acc);
+#else
+    return _mm256_add_ps(_mm256_mul_ps(a, b), acc);
+#endif
 }
 
 /* lane k of the result = sum of the 8 lanes of p[k]. Blends where possible: the shuffle port
@@ -138,6 +157,32 @@ KS_INLINE int32x4_t ks_hsum4x4_neon(int32x4_t p0, int32x4_t p1, int32x4_t p2, in
 {
     return vpaddq_s32(vpaddq_s32(p0, p1), vpaddq_s32(p2, p3));
 }
+
+/* A tile's exact block sums as floats (lanes 0-3 in is[0], 4-7 in is[1]; lane = j * R + i):
+ * the R rows' codes w0, w1 (values 0..15, 16..31 of block b) against the T tokens' Q8_0
+ * block b. Every 32-value type's NEON tile shares this. */
+KS_INLINE void ks_tile_isums_neon(const int R, const int T, const int8x16_t w0[8],
+                                  const int8x16_t w1[8], const int8_t *const xp[8], int b,
+                                  float32x4_t is[2])
+{
+    int8x16_t x0[8], x1[8];
+    int32x4_t p[8];
+    for (int j = 0; j < T; j++) {
+        x0[j] = vld1q_s8(xp[j] + b * KS_QK);
+        x1[j] = vld1q_s8(xp[j] + b * KS_QK + 16);
+    }
+    for (int j = 0; j < T; j++)
+        for (int i = 0; i < R; i++)
+            p[j * R + i] = ks_dot_block_neon(w0[i], w1[i], x0[j], x1[j]);
+    is[0] = vcvtq_f32_s32(ks_hsum4x4_neon(p[0], p[1], p[2], p[3]));
+    is[1] = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
+}
+
+/* Four fp16 scales as floats, in one conversion. */
+KS_INLINE float32x4_t ks_f16x4_neon(uint64_t h0, uint64_t h1, uint64_t h2, uint64_t h3)
+{
+    return vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(h0 | h1 << 16 | h2 << 32 | h3 << 48)));
+}
 #endif
 
 /* Asks for the n bytes at p in cache (a hint: never faults, changes no result). Decode reads
@@ -151,6 +196,24 @@ static inline void ks_prefetch_rows(const uint8_t *p, int64_t n)
         __builtin_prefetch(p + o, 0, 3);
 }
 
+/* A tile's R rows (wp) and T tokens (activations xp, scales dp and, with xs, block sums sp);
+ * rows >= rv / tokens >= tv repeat the last valid one, so edges need no second loop. */
+KS_INLINE void ks_tile_inputs(const int R, const int T, const uint8_t *w, int64_t w_stride,
+                              int rv, const int8_t *x, const float *xd, const int32_t *xs,
+                              int tv, int nb, const uint8_t **wp, const int8_t **xp,
+                              const float **dp, const int32_t **sp)
+{
+    for (int i = 0; i < R; i++)
+        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
+    for (int j = 0; j < T; j++) {
+        const int64_t jt = j < tv ? j : tv - 1;
+        xp[j] = x + jt * nb * KS_QK;
+        dp[j] = xd + jt * nb;
+        if (xs)
+            sp[j] = xs + jt * nb;
+    }
+}
+
 /* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2. Rows >= rv
  * / tokens >= tv repeat the last valid one (their lanes are computed and dropped), so edges
  * need no second loop. pf (or NULL): block b prefetches pf + b * pf_step, pf_step bytes. */
@@ -161,13 +224,7 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
     const uint8_t *wp[8];
     const int8_t *xp[8];
     const float *dp[8];
-    for (int i = 0; i < R; i++)
-        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
-    for (int j = 0; j < T; j++) {
-        const int64_t jt = j < tv ? j : tv - 1;
-        xp[j] = x + jt * nb * KS_QK;
-        dp[j] = xd + jt * nb;
-    }
+    ks_tile_inputs(R, T, w, w_stride, rv, x, xd, NULL, tv, nb, wp, xp, dp, NULL);
 #if defined(KS_AVX2)
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -190,11 +247,7 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
             h[0 % R], h[1 % R], h[2 % R], h[3 % R], h[4 % R], h[5 % R], h[6 % R], h[7 % R]));
         const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
                                          dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
-#if defined(KS_HAS_FMA)
-        acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, dx), acc);
-#else
-        acc = _mm256_add_ps(_mm256_mul_ps(isum, _mm256_mul_ps(dw, dx)), acc);
-#endif
+        acc = ks_fmadd_avx2(isum, _mm256_mul_ps(dw, dx), acc);
     }
     _mm256_storeu_ps(res, acc);
 #else /* NEON: lanes 0-3 and 4-7 are two float32x4; R >= 4, so each half has one token */
@@ -202,31 +255,21 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
     for (int b = 0; b < nb; b++) {
         if (pf)
             ks_prefetch_rows(pf + b * pf_step, pf_step);
-        int8x16_t w0[8], w1[8], x0[8], x1[8];
-        int32x4_t p[8];
+        int8x16_t w0[8], w1[8];
         uint64_t h[8];
+        float32x4_t is[2];
         for (int i = 0; i < R; i++) {
             const uint8_t *blk = wp[i] + b * KS_QBLOCK;
             w0[i] = vld1q_s8((const int8_t *)(blk + 2));
             w1[i] = vld1q_s8((const int8_t *)(blk + 18));
             h[i] = ks_load_u16le(blk);
         }
-        for (int j = 0; j < T; j++) {
-            x0[j] = vld1q_s8(xp[j] + b * KS_QK);
-            x1[j] = vld1q_s8(xp[j] + b * KS_QK + 16);
-        }
-        for (int j = 0; j < T; j++)
-            for (int i = 0; i < R; i++)
-                p[j * R + i] = ks_dot_block_neon(w0[i], w1[i], x0[j], x1[j]);
-        const float32x4_t is0 = vcvtq_f32_s32(ks_hsum4x4_neon(p[0], p[1], p[2], p[3]));
-        const float32x4_t is1 = vcvtq_f32_s32(ks_hsum4x4_neon(p[4], p[5], p[6], p[7]));
-        /* the fp16 scales of lanes 0-3 and 4-7, packed in a register, converted together */
-        const float32x4_t dw0 = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
-            h[0 % R] | h[1 % R] << 16 | h[2 % R] << 32 | h[3 % R] << 48)));
-        const float32x4_t dw1 = vcvt_f32_f16(vreinterpret_f16_u64(vcreate_u64(
-            h[4 % R] | h[5 % R] << 16 | h[6 % R] << 32 | h[7 % R] << 48)));
-        acc0 = vfmaq_f32(acc0, is0, vmulq_n_f32(dw0, dp[0 / R][b]));
-        acc1 = vfmaq_f32(acc1, is1, vmulq_n_f32(dw1, dp[4 / R][b]));
+        ks_tile_isums_neon(R, T, w0, w1, xp, b, is);
+        /* the fp16 scales of lanes 0-3 and 4-7, converted together */
+        const float32x4_t dw0 = ks_f16x4_neon(h[0 % R], h[1 % R], h[2 % R], h[3 % R]);
+        const float32x4_t dw1 = ks_f16x4_neon(h[4 % R], h[5 % R], h[6 % R], h[7 % R]);
+        acc0 = vfmaq_f32(acc0, is[0], vmulq_n_f32(dw0, dp[0 / R][b]));
+        acc1 = vfmaq_f32(acc1, is[1], vmulq_n_f32(dw1, dp[4 / R][b]));
     }
     vst1q_f32(res, acc0);
     vst1q_f32(res + 4, acc1);
@@ -339,11 +382,7 @@ void ks_q8_tile_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x
             }
             const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
             const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dp[j][b]));
-#if defined(KS_HAS_FMA)
-            acc[j] = _mm256_fmadd_ps(isum, d, acc[j]);
-#else
-            acc[j] = _mm256_add_ps(_mm256_mul_ps(isum, d), acc[j]);
-#endif
+            acc[j] = ks_fmadd_avx2(isum, d, acc[j]);
         }
     }
     for (int j = 0; j < T; j++)
