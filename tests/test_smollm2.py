@@ -18,6 +18,8 @@ from kestreld.engine.generate import Engine
 from kestreld.engine.sampler import SamplingOptions
 from kestreld.model.load import load_model
 
+pytestmark = pytest.mark.arm64
+
 GOLDEN_PATH = os.path.join(os.path.dirname(__file__), "golden", "smollm2_llamacpp.json")
 with open(GOLDEN_PATH, encoding="utf-8") as _f:
     GOLDEN = json.load(_f)

@@ -17,7 +17,10 @@ from ..protocol import DEFAULT_SOCKET  # one definition, shared with kestrelctl
 DEFAULT_CONFIG_FILE = "/etc/kestrel/kestreld.conf"
 
 
-def performance_cores(allowed=None, sysfs: str = "/sys/devices/system/cpu") -> list[int]:
+SYSFS_CPU = "/sys/devices/system/cpu"
+
+
+def performance_cores(allowed=None, sysfs: str = SYSFS_CPU) -> list[int]:
     """CPUs of the highest capacity among `allowed` (default: those this process may run on).
 
     On big.LITTLE boards (RK3588: 4x A76 + 4x A55) that is the big cores, read from
@@ -63,6 +66,7 @@ class Config:
     image_dir: Optional[str] = None      # image paths in chat are read only from here (None: refused)
     disk_kv: Optional[str] = None        # directory of KV snapshots that outlive the process (None: off)
     disk_kv_max_bytes: int = 4 << 30     # the snapshots' total size; least recently used evicted
+    cpu_sysfs: str = SYSFS_CPU           # where cpu*/cpu_capacity tell the big cores (config file only)
 
     def __post_init__(self):
         for name in ("max_seq", "prefix_min", "kv_bs", "prefill_chunk", "max_queue",
@@ -82,7 +86,7 @@ class Config:
     @property
     def n_threads(self) -> int:
         """Worker threads: --threads, or the number of performance cores."""
-        return self.threads or len(performance_cores())
+        return self.threads or len(performance_cores(sysfs=self.cpu_sysfs))
 
 
 _ENV = {  # environment variable -> field
