@@ -5,13 +5,13 @@ same Q8_0 file (checked by sha256); this test needs only the JSON. The prompts s
 system prefix and run one after another on one engine, so all but the first reuse cached KV
 while llama.cpp computed each from scratch: equal outputs also mean cache hit == miss.
 """
-import hashlib
 import json
 import os
 import re
 
 import pytest
 
+from greedy_cases import sha256_file
 from kestreld.service.config import default_cache_dir
 from kestreld.model.convert import smollm2_q8_0_path
 from kestreld.engine.generate import Engine
@@ -44,11 +44,7 @@ def engine(model):
 
 
 def test_golden_was_recorded_on_this_file(model_path):
-    h = hashlib.sha256()
-    with open(model_path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    assert h.hexdigest() == GOLDEN["model_sha256"], \
+    assert sha256_file(model_path) == GOLDEN["model_sha256"], \
         "the Q8_0 conversion changed: re-run tests/golden/record_llamacpp.py"
 
 
