@@ -86,7 +86,6 @@ def test_logits_match_the_float64_reference(zoo, name, source):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.arm64
 def test_prefill_chunking_is_invisible(zoo, name):
     """One chunk == chunks of 40 (not a multiple of kv_bs) == one token at a time."""
     loaded = load_model(_path(zoo.get(name), "gguf-q8_0"))
