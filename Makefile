@@ -35,13 +35,16 @@ test: build
 # RK3588's) and one without (A72): each takes its own build of the kernels. As root; README.
 ARM64 := scripts/arm64-env.sh
 ARM64_PYTEST := python -m pytest -q -p no:cacheprovider -m arm64 tests
-ARM64_CPUS ?= cortex-a76 cortex-a72
+ARM64_CPUS ?= cortex-a76:neon-dotprod cortex-a72:neon
 test-arm64: $(VENV)/.deps
 	SMOLLM2=$(SMOLLM2) $(ARM64) prepare $(PY)
 	$(ARM64) build $(PY)
-	@for cpu in $(ARM64_CPUS); do \
-	  echo "arm64: pytest -m arm64 on $$cpu"; start=$$(date +%s); \
-	  $(ARM64) run $$cpu $(ARM64_PYTEST) || { echo "arm64: tests FAILED on $$cpu"; exit 1; }; \
+	@for cpu_path in $(ARM64_CPUS); do \
+	  cpu=$${cpu_path%%:*}; want=$${cpu_path#*:}; start=$$(date +%s); \
+	  path=$$($(ARM64) run $$cpu python -c 'from kestreld.kernels import K; print(K.simd_path())'); \
+	  [ "$$path" = "$$want" ] || { echo "arm64: $$cpu takes the '$$path' kernels, not '$$want'"; exit 1; }; \
+	  echo "arm64: pytest -m arm64 as $$cpu ($$path kernels)"; \
+	  $(ARM64) run $$cpu $(ARM64_PYTEST) || { echo "arm64: tests FAILED as $$cpu"; exit 1; }; \
 	  echo "arm64: $$cpu done in $$(( $$(date +%s) - start )) s"; \
 	done
 

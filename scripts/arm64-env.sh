@@ -17,7 +17,7 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-CACHE=${KESTREL_ARM64_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kestrel-arm64}
+CACHE=${KESTREL_ARM64_CACHE:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/kestrel-arm64}
 SUITE=bookworm
 ROOT_PACKAGES=python3,python3-venv,libpython3.11-dev,libc6-dev,libgomp1,ca-certificates
 HOST_PACKAGES=(qemu-user-static binfmt-support debootstrap gcc-aarch64-linux-gnu)

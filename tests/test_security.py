@@ -203,4 +203,5 @@ def test_the_only_client_given_path_is_a_chat_image_part():
     names = {n for fields in _FIELDS.values() for n in fields} | set(OPTION_CHECKS)
     assert names == {"prompt", "ids", "stream", "messages", "enable_thinking", "text",
                      "add_special", "id", "max_tokens", "temperature", "top_k", "top_p",
-                     "min_p", "repeat_penalty", "seed", "stop", "ignore_eos", "logprobs"}
+                     "min_p", "repeat_penalty", "seed", "stop", "ignore_eos", "logprobs",
+                     "split_reasoning"}
