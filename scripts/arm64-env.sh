@@ -120,9 +120,9 @@ in_root() {
     ' sh "$ROOT" "$REPO" "$CACHE" "$cpu" "$@"
 }
 
-# The venv's requirements: the package's runtime dependencies, the test extra without the
-# transformers reference (torch is not needed as arm64: the float64 numpy reference is), numpy
-# at the host's version, and the default model.
+# The venv's requirements (the default model's package comes apart, --no-deps): the package's
+# runtime dependencies, the test extra without the transformers reference (torch is not needed
+# as arm64: the float64 numpy reference is), and numpy at the host's version.
 requirements() {
     local py=$1
     "$py" - "$REPO/pyproject.toml" <<'EOF'
