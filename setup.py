@@ -1,13 +1,22 @@
 """Declares the Cython kernels; metadata lives in pyproject.toml.
 
+The target is `sysconfig.get_platform()`, so a cross build (scripts/arm64-env.sh sets
+_PYTHON_HOST_PLATFORM and the target's sysconfig data) gets the target's flags:
+  x86-64    kestreld._kernels with AVX2+FMA+F16C (AVX512-VNNI is chosen at run time inside)
+  aarch64   the same source twice: kestreld._kernels for Armv8.2 with the dot-product
+            instructions (Cortex-A76, the RK3588's big cores) and kestreld._kernels_armv8 for
+            the Armv8.0 baseline (Cortex-A72/A53, no sdot); kestreld/kernels.py imports the
+            one the CPU runs, so one build serves every aarch64 board and every kernel, present
+            and future, has both without dispatch code of its own.
+
 Build switches (environment):
   KESTREL_DEBUG=1     -O0 -g, Cython bounds/wraparound checks on
-  KESTREL_NATIVE=1    -march=native (faster, not portable to another CPU)
+  KESTREL_NATIVE=1    -march=native, one module (faster, not portable to another CPU)
   KESTREL_ANNOTATE=1  write pyx/*.html annotation reports
   KESTREL_CFLAGS="…"  extra compiler flags
 """
 import os
-import platform
+import sysconfig
 
 import numpy as np
 from Cython.Build import cythonize
@@ -18,16 +27,19 @@ native = os.environ.get("KESTREL_NATIVE") == "1"
 
 cflags = ["-fopenmp", "-Wall", "-Wno-unused-function", "-Wno-unreachable-code"]
 cflags += ["-O0", "-g"] if debug else ["-O3"]
-machine = platform.machine().lower()
+machine = sysconfig.get_platform().rsplit("-", 1)[-1].lower()
 if native:
-    cflags.append("-march=native")
+    variants = {"_kernels": ["-march=native"]}
 elif machine in ("x86_64", "amd64"):
     # AVX2+FMA is the x86 baseline we ship; the C code checks __AVX2__ and keeps a plain path.
-    cflags += ["-mavx2", "-mfma", "-mf16c"]
+    variants = {"_kernels": ["-mavx2", "-mfma", "-mf16c"]}
 elif machine in ("aarch64", "arm64"):
-    # Cortex-A76 (RK3588): dot-product instructions; guarded by __ARM_FEATURE_DOTPROD.
-    cflags.append("-march=armv8.2-a+dotprod+fp16")
-cflags += os.environ.get("KESTREL_CFLAGS", "").split()
+    # the C code takes sdot under __ARM_FEATURE_DOTPROD, plain NEON without it
+    variants = {"_kernels": ["-march=armv8.2-a+dotprod+fp16"],
+                "_kernels_armv8": ["-march=armv8-a"]}
+else:
+    variants = {"_kernels": []}
+extra = os.environ.get("KESTREL_CFLAGS", "").split()
 
 directives = {
     "language_level": 3,
@@ -37,19 +49,25 @@ directives = {
     "cdivision": True,
 }
 
-ext = Extension(
-    "kestreld._kernels",
-    ["pyx/_kernels.pyx"],
-    include_dirs=["pyx", np.get_include()],
-    extra_compile_args=cflags,
-    extra_link_args=["-fopenmp"],
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-)
 
-setup(
-    ext_modules=cythonize(
+def kernels(name: str, arch_flags: list) -> list:
+    """The kernels as module kestreld.NAME, compiled with arch_flags. Cython writes one C file
+    per module name (the init function is named after it): pyx/ for _kernels, build/NAME/
+    for another variant."""
+    ext = Extension(
+        f"kestreld.{name}",
+        ["pyx/_kernels.pyx"],
+        include_dirs=["pyx", np.get_include()],
+        extra_compile_args=cflags + arch_flags + extra,
+        extra_link_args=["-fopenmp"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+    return cythonize(
         [ext],
+        build_dir=None if name == "_kernels" else os.path.join("build", name),
         compiler_directives=directives,
         annotate=os.environ.get("KESTREL_ANNOTATE") == "1",
     )
-)
+
+
+setup(ext_modules=[m for name, flags in variants.items() for m in kernels(name, flags)])

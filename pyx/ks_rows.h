@@ -39,8 +39,10 @@ static inline void ks_rope_row(float *row, const float *ct, const float *st, int
         float *p0 = neox ? row + i : row + 2 * i;
         float *p1 = neox ? row + i + half : row + 2 * i + 1;
         const float x0 = *p0, x1 = *p1;
-        *p0 = x0 * c - x1 * s;
-        *p1 = x0 * s + x1 * c;
+        /* the fused form spelled out: left to the compiler, x86-64 and aarch64 contract
+           these into FMAs differently, and the last bit differs between the machines */
+        *p0 = KS_FMADD(x0, c, -(x1 * s));
+        *p1 = KS_FMADD(x0, s, x1 * c);
     }
 }
 

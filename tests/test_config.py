@@ -58,18 +58,6 @@ def test_cli_flags_for_daemon_options(tmp_path):
             cfg.socket_group, cfg.prefix_kv) == ("/tmp/x.sock", 1000, 2000, 0, "kestrel", False)
 
 
-def test_performance_cores_picks_the_big_cores(tmp_path):
-    from kestreld.service.config import performance_cores
-    for cpu, cap in enumerate([446] * 4 + [1024] * 4):          # RK3588: 4x A55, 4x A76
-        d = tmp_path / f"cpu{cpu}"
-        d.mkdir()
-        (d / "cpu_capacity").write_text(f"{cap}\n")
-    assert performance_cores(range(8), str(tmp_path)) == [4, 5, 6, 7]
-    assert performance_cores([0, 1, 5], str(tmp_path)) == [5]
-    assert performance_cores([0, 1], str(tmp_path)) == [0, 1]    # only little ones allowed
-    assert performance_cores([0, 1], str(tmp_path / "none")) == [0, 1]   # no capacities
-
-
 def test_mmproj_from_argv_env_and_file(tmp_path):
     conf = tmp_path / "k.conf"
     conf.write_text("model = /m/text.gguf\nmmproj = /m/mmproj-file.gguf\n")

@@ -49,7 +49,7 @@ def test_images_are_sent_as_bytes_and_saved_as_paths(tmp_path):
 
 def test_load_refuses_what_is_not_chat_messages(tmp_path):
     cases = {"not JSON": "{", "does not hold chat messages": '{"role": "user"}',
-             "exactly role and content": '[{"role": "user", "content": "x", "name": "y"}]',
+             "allowed here: role, content": '[{"role": "user", "content": "x", "name": "y"}]',
              "cannot read image": '[{"role": "user", "content": [{"type": "image", "path": "/nope.png"}]}]'}
     for i, (message, text) in enumerate(cases.items()):
         (tmp_path / f"{i}.json").write_text(text)

@@ -8,6 +8,8 @@ from kestreld.model.load import load_model
 from kestreld.errors import BadRequest, PromptTooLong
 from modelgen import prompt_ids
 
+pytestmark = pytest.mark.arm64
+
 NAME = "qwen3_untied"
 
 

@@ -1,15 +1,20 @@
-"""The compiled kernels (kestreld._kernels) against plain numpy references.
+"""The compiled kernels (the build kestreld.kernels chose for this CPU) against plain numpy
+references.
 
 Integer results (quantization, the int8 KV, embedding rows) must match exactly (the weight x
 activation product of each weight type: test_quant_kernels.py); float kernels match float64 references within a tolerance and print their
 largest difference. Every kernel also gives the same bits with 1 and 2 threads.
 """
 import platform
+import struct
 
 import numpy as np
 import pytest
 
-import kestreld._kernels as K   # build first: python setup.py build_ext --inplace
+from kestreld import kernels
+from kestreld.kernels import K   # build first: python setup.py build_ext --inplace
+
+pytestmark = pytest.mark.arm64
 
 QK = 32
 Q8_0 = 8      # GGML type ids
@@ -120,10 +125,29 @@ def report(name, got, want):
     return rel
 
 
-def test_shipped_build_flags_select_a_simd_path():
+def hwcap_from_auxv() -> int:
+    """AT_HWCAP read from /proc/self/auxv (pairs of native unsigned longs), not as kernels.py
+    reads it."""
+    with open("/proc/self/auxv", "rb") as f:
+        data = f.read()
+    pairs = struct.iter_unpack("@LL", data[: len(data) // 16 * 16])
+    return next(value for key, value in pairs if key == kernels.AT_HWCAP)
+
+
+def test_the_build_for_this_cpu_is_loaded_and_takes_its_simd_path():
     # the bit-identity tests below only mean something if the SIMD path is the one compiled in
-    expected = {"x86_64": "avx2", "amd64": "avx2", "aarch64": "neon-dotprod", "arm64": "neon-dotprod"}
-    assert K.simd_path() == expected.get(platform.machine().lower(), "plain")
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        dotprod = bool(hwcap_from_auxv() & kernels.HWCAP_ASIMDDP)
+        assert kernels.cpu_has_dotprod() == dotprod
+        expected = ("kestreld._kernels", "neon-dotprod") if dotprod else \
+            ("kestreld._kernels_armv8", "neon")
+    elif machine in ("x86_64", "amd64"):
+        expected = ("kestreld._kernels", "avx2")
+    else:
+        expected = ("kestreld._kernels", "plain")
+    assert (K.__name__, K.simd_path()) == expected
+    kernels.require()
 
 
 # ---- quantization ------------------------------------------------------------------------------

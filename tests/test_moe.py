@@ -79,6 +79,7 @@ def _same_sets(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- kernels vs numpy
 
 @pytest.mark.parametrize("norm", (True, False))
+@pytest.mark.arm64
 def test_moe_route_matches_numpy(norm):
     rng = np.random.default_rng(5)
     n, d, E, k = 37, 96, 16, 3
@@ -104,6 +105,7 @@ def test_moe_route_matches_numpy(norm):
     print(f"moe_route: max |probs - numpy| {np.abs(probs - want_p).max():.2e}")
 
 
+@pytest.mark.arm64
 def test_moe_group_is_a_stable_sort_by_expert():
     rng = np.random.default_rng(6)
     n, k, E = 50, 4, 16
@@ -129,6 +131,7 @@ def test_moe_group_is_a_stable_sort_by_expert():
         K.moe_group(np.full((1, k), E, np.int32), counts, offsets, rows[:k], slot_pos[:1], active)
 
 
+@pytest.mark.arm64
 def test_combine_matches_numpy():
     rng = np.random.default_rng(7)
     n, d, k = 9, 64, 3
@@ -228,18 +231,23 @@ def _hf_routing(model, layers):
     return got, hooks
 
 
-@pytest.mark.parametrize("name,source,n", [("qwen3moe_norm", "gguf-q8_0", 2000),
-                                           ("qwen3moe_raw", "hf", 256),
-                                           ("qwen3moe_raw", "gguf-f16", 256)])
-def test_logits_and_routing_match_transformers(moe_zoo, moe_hf, name, source, n):
+def _engine_logits_and_routing(moe_zoo, name: str, source: str, n: int):
+    """(model, its MoE layers, prompt ids, the engine's logits over n prompt tokens, its top-k
+    experts per MoE layer)."""
     m = moe_zoo.get(name)
     path = m.hf_dir if source == "hf" else m.gguf[source.removeprefix("gguf-")]
     loaded = load_model(str(path))
     layers = loaded.config.moe_layers
     ids = modelgen_moe.prompt_ids(name, n, seed=1)
     engine = _engine(loaded, n + 64)
-    got, ours = _logits_and_routing(engine, ids)
+    return (m, layers, ids, *_logits_and_routing(engine, ids))
 
+
+@pytest.mark.parametrize("name,source,n", [("qwen3moe_norm", "gguf-q8_0", 2000),
+                                           ("qwen3moe_raw", "hf", 256),
+                                           ("qwen3moe_raw", "gguf-f16", 256)])
+def test_logits_and_routing_match_transformers(moe_zoo, moe_hf, name, source, n):
+    m, layers, ids, got, ours = _engine_logits_and_routing(moe_zoo, name, source, n)
     theirs, hooks = _hf_routing(moe_hf.model(name), layers)
     exact = moe_hf.logits(name, ids)
     for h in hooks:
@@ -254,16 +262,22 @@ def test_logits_and_routing_match_transformers(moe_zoo, moe_hf, name, source, n)
     assert agree >= 0.99, f"top-1 {agree:.4f} vs transformers"
     assert routed >= 0.98, f"router top-k agreement {routed:.4f} vs transformers"
 
-    if n <= 256:   # the float64 reference on the numbers the engine holds
-        routing = []
-        held = reference.quantize_weights(m.weights, via_f16=source == "gguf-f16")
-        same = reference.forward(held, m.config, ids, kv_int8=True, act_q8=True, routing=routing)
-        rel = rel_rms_error(got, same)
-        same_routes = np.mean([_same_sets(a, b).mean() for a, b in zip(ours, routing)])
-        print(f"  vs Q8 reference: rel {rel:.4f} router {same_routes:.4f}")
-        assert rel <= 0.015 and same_routes >= 0.99
+
+@pytest.mark.parametrize("name,source", [("qwen3moe_raw", "hf"), ("qwen3moe_raw", "gguf-f16")])
+@pytest.mark.arm64
+def test_logits_and_routing_match_the_float64_reference(moe_zoo, name, source):
+    """The float64 reference on the numbers the engine holds picks the same experts."""
+    m, _, ids, got, ours = _engine_logits_and_routing(moe_zoo, name, source, 256)
+    routing = []
+    held = reference.quantize_weights(m.weights, via_f16=source == "gguf-f16")
+    same = reference.forward(held, m.config, ids, kv_int8=True, act_q8=True, routing=routing)
+    rel = rel_rms_error(got, same)
+    same_routes = np.mean([_same_sets(a, b).mean() for a, b in zip(ours, routing)])
+    print(f"{name} {source} vs Q8 reference: rel {rel:.4f} router {same_routes:.4f}")
+    assert rel <= 0.015 and same_routes >= 0.99
 
 
+@pytest.mark.arm64
 def test_chunking_and_prefix_reuse_keep_greedy_tokens(moe_zoo):
     loaded = load_model(str(moe_zoo.get("qwen3moe_norm").gguf["q8_0"]))
     ids = modelgen_moe.prompt_ids("qwen3moe_norm", 100, seed=3)
@@ -289,6 +303,7 @@ def test_chunking_and_prefix_reuse_keep_greedy_tokens(moe_zoo):
 
 
 @pytest.mark.parametrize("nthreads", [1, 2])
+@pytest.mark.arm64
 def test_decode_equals_prefill_bit_for_bit(moe_zoo, nthreads):
     """The one forward pass routes and runs the experts the same way for one token (decode)
     and for a chunk: token by token, in chunks of 7 and in one chunk, the same logits, the

@@ -1,5 +1,9 @@
 """The prefix rule (DESIGN.md): LCP >= min_match is a hit, keep <= len(prompt) - 1."""
+import pytest
+
 from kestreld.engine.prefix import PrefixCache, common_prefix_len
+
+pytestmark = pytest.mark.arm64
 
 
 def test_common_prefix_len():

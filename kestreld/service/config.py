@@ -18,7 +18,10 @@ from ..protocol import DEFAULT_SOCKET  # one definition, shared with kestrelctl
 DEFAULT_CONFIG_FILE = "/etc/kestrel/kestreld.conf"
 
 
-def performance_cores(allowed=None, sysfs: str = "/sys/devices/system/cpu") -> list[int]:
+SYSFS_CPU = "/sys/devices/system/cpu"
+
+
+def performance_cores(allowed=None, sysfs: str = SYSFS_CPU) -> list[int]:
     """CPUs of the highest capacity among `allowed` (default: those this process may run on).
 
     On big.LITTLE boards (RK3588: 4x A76 + 4x A55) that is the big cores, read from
@@ -107,6 +110,7 @@ class Config:
     http_allow_remote: bool = False      # allow non-loopback HTTP addresses (and any Host header)
     http_api_key_file: Optional[str] = None  # the Bearer key the HTTP API then requires
     http_cors_origin: tuple = ()         # origins the HTTP API allows by CORS (none: no CORS headers)
+    cpu_sysfs: str = SYSFS_CPU           # where cpu*/cpu_capacity tell the big cores (config file only)
 
     def __post_init__(self):
         for name in ("max_seq", "prefix_min", "kv_bs", "prefill_chunk", "max_queue",
@@ -135,7 +139,7 @@ class Config:
     @property
     def n_threads(self) -> int:
         """Worker threads: --threads, or the number of performance cores."""
-        return self.threads or len(performance_cores())
+        return self.threads or len(performance_cores(sysfs=self.cpu_sysfs))
 
 
 _ENV = {  # environment variable -> field

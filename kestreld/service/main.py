@@ -49,13 +49,17 @@ STOPPED_WHILE_LOADING = -1       # serve()'s answer to a SIGTERM during the mode
 
 # ---------------------------------------------------------------- start-up
 
-def pin_to_performance_cores() -> None:
+def pin_to_performance_cores(sysfs: str) -> None:
     """On big.LITTLE boards (RK3588: 4x A76 + 4x A55) keep every thread, the OpenMP workers
-    included, on the big cores: one slow core holds back each parallel kernel."""
+    included, on the big cores (read from `sysfs`, cpu*/cpu_capacity): one slow core holds
+    back each parallel kernel."""
     allowed = os.sched_getaffinity(0)
-    big = set(performance_cores())
+    big = set(performance_cores(allowed, sysfs))
     if big and big != allowed:
-        os.sched_setaffinity(0, big)
+        # every thread there is already (numpy's OpenBLAS starts its pool at import); threads
+        # started later inherit the mask
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), big)
         log.info("pinned to performance cores %s", ",".join(map(str, sorted(big))))
 
 
@@ -281,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         kernels.require()
         if cfg.threads == 0:
-            pin_to_performance_cores()
+            pin_to_performance_cores(cfg.cpu_sysfs)
         path = _model_path(cfg)
         if path is None:
             print(f"kestreld: {NO_MODEL}", file=sys.stderr)

@@ -9,7 +9,6 @@ sha256 so that a test on another file fails loudly instead of comparing the wron
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -23,7 +22,9 @@ from kestreld.model.convert import smollm2_q8_0_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "bench"))
+sys.path.insert(0, os.path.join(REPO, "tests"))
 from common import open_llama  # noqa: E402  (bench/common.py: the one llama.cpp opener)
+from greedy_cases import sha256_file  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2_llamacpp.json")
 N_GENERATE = 32
@@ -61,14 +62,6 @@ CHATS = [
     "What is a computer?",
     "Tell me about the Moon.",
 ]
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def render_chat(template: str, user: str) -> str:
@@ -135,7 +128,7 @@ def main() -> int:
     golden = {
         "llama_cpp_version": llama_cpp.__version__,
         "model_file": os.path.basename(model_path),
-        "model_sha256": sha256(model_path),
+        "model_sha256": sha256_file(model_path),
         "settings": {"n_threads": 2, "n_ctx": 2048, "seed": 0, "greedy": "argmax of logits",
                      "use_extra_bufts": False,
                      "max_tokens": N_GENERATE, "tokenize": "add_bos=False, special=True"},
