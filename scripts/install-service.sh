@@ -77,7 +77,7 @@ if [ -d /run/systemd/system ]; then
   say "kestreld.socket listening on /run/kestrel/kestreld.sock; to load the model at boot" \
       "instead of on the first request: systemctl enable --now kestreld.service;" \
       "for the OpenAI-compatible HTTP API on 127.0.0.1:8080:" \
-      "systemctl enable --now kestreld-http.socket && systemctl try-restart kestreld.service"
+      "systemctl stop kestreld.service && systemctl enable --now kestreld-http.socket && systemctl start kestreld.service"
 else
   say "systemd is not running here: units installed but not enabled"
 fi

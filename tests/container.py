@@ -138,8 +138,13 @@ class SystemdContainer:
         return result
 
     def systemctl(self, *args: str, check: bool = True) -> str:
-        """`systemctl ARGS` inside; its stdout."""
-        return self.run(["systemctl", "--no-pager", *args], check=check).stdout
+        """`systemctl ARGS` inside; its stdout. A failure says what the journal said last."""
+        result = self.run(["systemctl", "--no-pager", *args], check=False)
+        if check and result.returncode != 0:
+            tail = self.run(["journalctl", "--no-pager", "-n", "25"], check=False).stdout
+            raise AssertionError(f"systemctl {' '.join(args)} exited {result.returncode}: "
+                                 f"{result.stdout}{result.stderr}\njournal:\n{tail}")
+        return result.stdout
 
     def show(self, unit: str, *props: str) -> dict:
         """Unit properties as a dict of strings (`systemctl show -p ...`)."""

@@ -66,8 +66,8 @@ def test_q8_0_is_passed_through_without_copy():
 
 
 def test_unsupported_type_is_refused():
-    with pytest.raises(ValueError, match="Q2_K"):
-        gguf_to_q8_0(np.zeros((1, 84), np.uint8), T.Q2_K)
+    with pytest.raises(ValueError, match="TQ2_0"):      # ternary: no kernel, no conversion
+        gguf_to_q8_0(np.zeros((1, 66), np.uint8), T.TQ2_0)
 
 
 def test_float_to_q8_0_chunks_and_bf16(monkeypatch):

@@ -279,7 +279,7 @@ def test_clear_save_and_load(daemon, client, state, tmp_path):
     t.line(f"/load {tmp_path / 'junk.json'}")
     t.line(f"/load {tmp_path / 'missing.json'}")
     screen = t.after(f">>> /load {tmp_path / 'bad.json'}")
-    assert "does not hold chat messages: messages[0] must be a map with exactly role and content" in screen
+    assert "does not hold chat messages: messages[0] must be a map with role and content" in screen
     assert f"error: {tmp_path / 'junk.json'} is not JSON" in screen
     assert f"error: cannot read {tmp_path / 'missing.json'}: No such file or directory" in screen
     assert t.saved(tmp_path / "now.json") == before

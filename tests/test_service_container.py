@@ -217,8 +217,9 @@ def test_http_api_through_its_socket_unit(box):
     """kestreld-http.socket passes its TCP socket (FileDescriptorName=http) to the service,
     whose sandbox is unchanged (PrivateNetwork=yes, RestrictAddressFamilies=AF_UNIX,
     IPAddressDeny=any): /health and a chat answer on 127.0.0.1 through the unit."""
+    box.systemctl("stop", "kestreld.service")      # systemd refuses a socket whose service runs
     box.systemctl("start", "kestreld-http.socket")
-    box.systemctl("restart", "kestreld.service")      # now started with both sockets
+    box.systemctl("start", "kestreld.service")     # now started with both sockets
     url = f"http://127.0.0.1:{HTTP_PORT}"
     with httpx.Client(base_url=url, timeout=120) as http:
         assert http.get("/health").json() == {"status": "ok"}
