@@ -54,6 +54,15 @@ demo: build
 bench: build
 	$(PY) bench/vs_llamacpp.py --threads $(THREADS)
 
+# Decode and prefill beside busy processes, both engines (bench/contention.py)
+.PHONY: bench-contention bench-30b
+bench-contention: build
+	$(PY) bench/contention.py
+
+# Qwen3-30B-A3B's exact shapes as an ~18 GB Q4_K_M file, both engines (bench/moe30b.py)
+bench-30b: build
+	$(PY) bench/moe30b.py --threads $(THREADS)
+
 # Qwen3-VL: one 448x448 image + a question on a random Qwen3-VL-2B-shaped model (bench/README.md)
 .PHONY: bench-vision
 bench-vision: build

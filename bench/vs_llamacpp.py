@@ -215,8 +215,12 @@ def model_path(spec: str, cache: str) -> str:
 
 
 def llama_has_amx() -> bool:
-    """Whether the installed llama.cpp has ggml's AMX CPU kernels compiled in."""
-    import llama_cpp
+    """Whether the installed llama.cpp has ggml's AMX CPU kernels compiled in (False when
+    llama-cpp-python is not installed: the Kestrel-only runs go on)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return False
     info = llama_cpp.llama_print_system_info().decode()
     return "AMX_INT8 = 1" in info
 

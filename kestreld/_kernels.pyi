@@ -19,6 +19,7 @@ class Forward:
     max_chunk: int
     nthreads: int
     scratch_bytes: int
+    working_threads: int
     def __init__(self, config: ModelConfig, weights: ModelWeights, kv: KVCache, max_chunk: int,
                  nthreads: int) -> None: ...
     def run(self, tokens: np.ndarray, pos0: int, rope_cos: np.ndarray, rope_sin: np.ndarray,

@@ -1,6 +1,7 @@
 # The forward pass (ks_forward.h) over typed weights: the C structs of the weight ABI
 # (ks_weights.h) are built here from kestreld/model/weights.py's dataclasses, by field name.
 from libc.stdlib cimport calloc, free
+from libc.string cimport memset
 
 
 cdef extern from "<stdlib.h>" nogil:
@@ -49,7 +50,8 @@ cdef const float *_vector(object a, Py_ssize_t n, str what) except NULL:
 
 cdef class Forward:
     """The forward pass of one model over one KV arena, for chunks of 1 .. max_chunk tokens,
-    in one C call per chunk (every layer, one OpenMP team).
+    in one C call per chunk (every layer), on a team of nthreads threads of its own (the
+    caller's and nthreads - 1 started here, which live as long as this object).
 
     Forward(config, weights, kv, max_chunk, nthreads): config a ModelConfig, weights its
     ModelWeights, kv the KVCache (its arrays are written in place). `run` checks its
@@ -57,6 +59,10 @@ cdef class Forward:
     cdef ks_model m
     cdef ks_kv kv
     cdef ks_scratch s
+    cdef ks_batch b          # the chunk being run (kept after it: see ks_forward)
+    cdef ks_forward_job job
+    cdef ks_team team
+    cdef bint team_up
     cdef ks_layer *layers
     cdef char *scratch
     cdef list _keep          # every array the pointers point into
@@ -66,8 +72,11 @@ cdef class Forward:
     def __cinit__(self):
         self.layers = NULL
         self.scratch = NULL
+        self.team_up = False
 
     def __dealloc__(self):
+        if self.team_up:
+            ks_team_free(&self.team)
         free(self.layers)
         free(self.scratch)
 
@@ -149,6 +158,17 @@ cdef class Forward:
             raise MemoryError(f"Forward: no memory for {nbytes} bytes of buffers")
         self.scratch = <char *>mem
         ks_scratch_layout(&self.s, self.scratch, m, max_chunk, nthreads, kv.kv_bs)
+        memset(&self.b, 0, sizeof(ks_batch))
+        self.job.M, self.job.kv, self.job.S, self.job.B = &self.m, &self.kv, &self.s, &self.b
+        if ks_team_init(&self.team, nthreads, ks_forward_phases(c.n_layers), ks_forward_walk) != 0:
+            raise MemoryError(f"Forward: cannot start {nthreads - 1} threads")
+        self.team_up = True
+
+    @property
+    def working_threads(self):
+        """Threads that took work in their last pass: nthreads on a quiet machine, fewer
+        while other processes hold cores (their share then goes to the threads that run)."""
+        return ks_team_working(&self.team)
 
     @property
     def scratch_bytes(self):
@@ -209,5 +229,6 @@ cdef class Forward:
             if rt.shape[0] != self.n_moe_layers or rt.shape[1] != n or rt.shape[2] != self.m.n_used:
                 raise ValueError(f"Forward: routing must be ({self.n_moe_layers}, {n}, {self.m.n_used})")
             b.routing = &rt[0, 0, 0]
+        self.b = b
         with nogil:
-            ks_forward(&self.m, &self.kv, &self.s, &b)
+            ks_forward(&self.team, &self.job)

@@ -1,10 +1,10 @@
 /* Kestrel kernels: the forward pass, one for any number of tokens (no Python here).
  *
- * ks_forward runs a chunk of n >= 1 tokens through every layer and the output matrix in one
- * OpenMP parallel region: n == 1 is a decode step, n > 1 a prefill chunk. Per layer, with the
- * chunk's tokens at KV rows pos0 .. pos0 + n - 1:
+ * ks_forward runs a chunk of n >= 1 tokens through every layer and the output matrix as one
+ * pass of the team of threads (ks_team.h): n == 1 is a decode step, n > 1 a prefill chunk.
+ * Per layer, with the chunk's tokens at KV rows pos0 .. pos0 + n - 1:
  *
- *   x (n, hidden) --rmsnorm, Q8_0--> q, k, v = Wq, Wk, Wv . x    (every thread: its own x)
+ *   x (n, hidden) --rmsnorm, Q8_0--> q, k, v = Wq, Wk, Wv . x
  *     per (token, head): q/k norm (Qwen3), RoPE by the token's tables; k, v -> the KV arena
  *     attention over KV rows 0 .. pos0 + t (int8 K/V, online softmax) -> att, Q8_0 per head
  *     x += Wo . att
@@ -15,25 +15,25 @@
  *   layers' DeepStack features are added to their rows after those layers.
  * Then rmsnorm, Q8_0, logits = Woutput . x (the last token's, or every token's).
  *
- * Each thread keeps its own copy of the residual stream x (all n rows): it adds, norms and
- * quantizes it itself (the same bits on every thread), so no thread waits for another
- * between a product and the next; the products, the per-head work and attention are shared
- * with `omp for`, and their outputs are read after the barrier that ends them (7 barriers a
- * dense layer). Every value is computed by the same operations in the same order whatever
- * n, the chunking and the thread count, except attention's reduction over keys (split into
- * ranges in decode, tiled by tokens in prefill), so the KV and logits of a token do not
- * depend on how its prompt was cut into chunks beyond float rounding in attention.
+ * Each step above is a phase of work items that any thread of the team takes (per token:
+ * the residual add and the norm; row runs of the products; (token, head) pairs; attention's
+ * key ranges or token tiles), so the threads that get to run do the work of one the kernel
+ * has descheduled (9 phases a dense layer in decode). Every value is computed by the same
+ * operations in the same order whatever n, the chunking, the thread count and which thread
+ * takes which item, except attention's reduction over keys (split into ranges in decode,
+ * tiled by tokens in prefill), so the KV and logits of a token do not depend on how its
+ * prompt was cut into chunks beyond float rounding in attention.
  */
 #ifndef KS_FORWARD_H
 #define KS_FORWARD_H
 
-#include <omp.h>
 #include <stdlib.h>
 #include "ks_common.h"
 #include "ks_weights.h"
 #include "ks_rows.h"
 #include "ks_attention.h"
 #include "ks_moe.h"
+#include "ks_team.h"
 
 #define KS_DECODE_ROWS 16     /* output rows per work item of a one-token product */
 #define KS_FFN_BLOCK 32       /* FFN rows per work item: one Q8_0 block of the swiglu output */
@@ -83,15 +83,14 @@ typedef struct {
 /* Every buffer of a forward pass, allocated once for max_chunk tokens and nthreads threads. */
 typedef struct {
     int max_chunk, nthreads;
-    /* per thread (nthreads copies): the residual stream, its norm and the norm's Q8_0 */
+    /* the residual stream, its norm and the norm's Q8_0 */
     float *x, *xn, *xd;               /* (max_chunk, hidden) x2, (max_chunk, hidden/32) */
     int8_t *xq;                       /* (max_chunk, hidden) */
-    /* shared */
     float *q, *k, *v, *att, *proj;    /* (max_chunk, q_dim | kv_dim | kv_dim | q_dim | hidden) */
     float *gate, *up;                 /* (max_chunk, ffn) */
     int8_t *sq;                       /* Q8_0 of att (q_dim), then of swiglu (ffn): (max_chunk, widest) */
     float *sd;                        /* (max_chunk, widest/32) */
-    float *attn_scratch;              /* nthreads * attn_floats */
+    float *attn_scratch;              /* nthreads * attn_floats: each thread's own */
     float *attn_parts;                /* n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats */
     int64_t attn_floats;
     /* MoE, for max_chunk * n_used (token, slot) pairs */
@@ -137,10 +136,10 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     S->max_chunk = max_chunk;
     S->nthreads = nthreads;
     S->attn_floats = dec > pre ? dec : pre;
-    S->x = ks_carve(base, cur, nthreads * T * H, 4);
-    S->xn = ks_carve(base, cur, nthreads * T * H, 4);
-    S->xd = ks_carve(base, cur, nthreads * T * H / KS_QK, 4);
-    S->xq = ks_carve(base, cur, nthreads * T * H, 1);
+    S->x = ks_carve(base, cur, T * H, 4);
+    S->xn = ks_carve(base, cur, T * H, 4);
+    S->xd = ks_carve(base, cur, T * H / KS_QK, 4);
+    S->xq = ks_carve(base, cur, T * H, 1);
     S->q = ks_carve(base, cur, T * q_dim, 4);
     S->k = ks_carve(base, cur, T * kv_dim, 4);
     S->v = ks_carve(base, cur, T * kv_dim, 4);
@@ -172,7 +171,7 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     return off;
 }
 
-/* ---- work-shared pieces (call from every thread of the team) ----------------------------- */
+/* ---- the phases' items (the walk of one thread through a pass) --------------------------- */
 
 /* Output rows per work item of a product over n tokens: one-token products go in small
  * items (many threads share one matrix); in prefill, runs of up to 64 rows keep their weights
@@ -186,17 +185,34 @@ static inline int ks_rows_per_item(int m, int n, int nthreads)
     return r < 8 ? 8 : r > 64 ? 64 : r;
 }
 
-/* out (n, w.rows) = matrix e of w . x (n rows, Q8_0), shared out by row runs; no barrier. */
-static inline void ks_par_matmul(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
-                                 int n, float *out, int nthreads)
+static inline int ks_items_of(int rows, int per) { return (rows + per - 1) / per; }
+
+/* Item it of a product's row runs of `per`: out (n, w.rows) rows r0 .. r1 - 1 = matrix e
+ * of w . x (n rows, Q8_0). */
+static inline void ks_rows_item(const ks_matrix *w, int e, int per, int it, const int8_t *xq,
+                                const float *xd, int n, float *out)
 {
-    const int per = ks_rows_per_item(w->rows, n, nthreads);
-    const int items = (w->rows + per - 1) / per;
-    #pragma omp for schedule(static) nowait
-    for (int it = 0; it < items; it++) {
-        const int r0 = it * per, r1 = r0 + per < w->rows ? r0 + per : w->rows;
-        ks_matrix_rows(w, e, xq, xd, n, out, r0, r1);
+    const int r0 = it * per, r1 = r0 + per < w->rows ? r0 + per : w->rows;
+    ks_matrix_rows(w, e, xq, xd, n, out, r0, r1);
+}
+
+/* A phase of the products of one activation (n rows) by every matrix of ws (up to 3, into
+ * outs), their row runs one item space. */
+static inline int ks_phase_matmuls(ks_walk *w, const ks_matrix *const *ws, float *const *outs,
+                                   int nw, const int8_t *xq, const float *xd, int n, int nthreads)
+{
+    int per[3], first[4] = {0};
+    for (int i = 0; i < nw; i++) {
+        per[i] = ks_rows_per_item(ws[i]->rows, n, nthreads);
+        first[i + 1] = first[i] + ks_items_of(ws[i]->rows, per[i]);
     }
+    KS_EACH_ITEM(w, first[nw], it) {
+        int i = 0;
+        while (it >= first[i + 1])
+            i++;
+        ks_rows_item(ws[i], 0, per[i], it - first[i], xq, xd, n, outs[i]);
+    }
+    return ks_phase_end(w, first[nw]);
 }
 
 /* Rows [b*32, b*32 + 32) of a SwiGLU pair for n activation rows: gate and up rows, then
@@ -216,74 +232,85 @@ static inline void ks_ffn_block(const ks_matrix *gate, const ks_matrix *up, int 
     }
 }
 
-/* Every thread: x (n, H) -> xn = rmsnorm(x) * w, and its Q8_0 (xq, xd). */
-static inline void ks_norm_rows(const ks_model *M, const float *x, const float *w, int n,
-                                float *xn, int8_t *xq, float *xd)
+/* Row t of x -> xn = rmsnorm(x) * w, and its Q8_0 (xq, xd), at row `to` of those. */
+static inline void ks_norm_row(const ks_model *M, const ks_scratch *S, int t, int to, const float *w)
 {
     const int H = M->hidden;
-    for (int t = 0; t < n; t++) {
-        ks_rmsnorm_row(x + (int64_t)t * H, w, M->eps, xn + (int64_t)t * H, H);
-        ks_quantize_row_q8_0(xn + (int64_t)t * H, xq + (int64_t)t * H, xd + (int64_t)t * (H / KS_QK), H);
-    }
+    float *xn = S->xn + (int64_t)to * H;
+    ks_rmsnorm_row(S->x + (int64_t)t * H, w, M->eps, xn, H);
+    ks_quantize_row_q8_0(xn, S->xq + (int64_t)to * H, S->xd + (int64_t)to * (H / KS_QK), H);
 }
 
-/* Per (token, head): q/k norm and RoPE; the token's K and V rows into the arena. */
-static inline void ks_fwd_heads(const ks_model *M, const ks_layer *L, const ks_kv *kv, int li,
-                                const ks_scratch *S, const ks_batch *B)
+/* Row t of x += the feed-forward output of layer L (a finished phase), then, Qwen3-VL, the
+ * DeepStack features of layer li if t is a visual row. */
+static inline void ks_ffn_add_row(const ks_model *M, const ks_layer *L, int li,
+                                  const ks_scratch *S, const ks_batch *B, int t)
 {
-    const int hd = M->hd, nh = M->n_heads, nkv = M->n_kv, per = nh + nkv;
-    const int64_t lo = (int64_t)li * nkv * kv->max_seq;       /* this layer's first (head, row) */
-    #pragma omp for schedule(static)
-    for (int it = 0; it < B->n * per; it++) {
-        const int t = it / per, h = it % per;
-        const float *ct = B->rope_cos + (int64_t)t * (hd / 2), *st = B->rope_sin + (int64_t)t * (hd / 2);
-        if (h < nh) {
-            float *qh = S->q + ((int64_t)t * nh + h) * hd;
-            if (L->q_norm)
-                ks_rmsnorm_row(qh, L->q_norm, M->eps, qh, hd);
-            ks_rope_row(qh, ct, st, hd, M->neox);
-            continue;
-        }
-        const int g = h - nh;
-        float *kh = S->k + ((int64_t)t * nkv + g) * hd;
-        if (L->k_norm)
-            ks_rmsnorm_row(kh, L->k_norm, M->eps, kh, hd);
-        ks_rope_row(kh, ct, st, hd, M->neox);
-        const int64_t row = lo + (int64_t)g * kv->max_seq + B->pos0 + t;
-        kv->k_s[row] = ks_quantize_head(kh, kv->k_q + row * hd, hd);
-        kv->v_s[row] = ks_quantize_head(S->v + ((int64_t)t * nkv + g) * hd, kv->v_q + row * hd, hd);
-    }
+    const int H = M->hidden, k = M->n_used;
+    float *x = S->x + (int64_t)t * H;
+    if (!L->router.data)
+        ks_add_scaled(x, S->proj + (int64_t)t * H, 1.0f, H);
+    else
+        ks_moe_combine_row(x, S->ey, S->slot_pos + t * k, S->top_w + t * k, k, H);
+    if (li < B->n_deep)
+        for (int r = 0; r < B->n_vis; r++)
+            if (B->vis_rows[r] == t)
+                ks_add_scaled(x, B->deep + ((int64_t)li * B->n_vis + r) * H, 1.0f, H);
 }
 
-/* Attention of the chunk's queries over KV rows 0 .. pos0 + t, into att (n, q_dim) and its
- * Q8_0 per head (sq, sd: hd is a multiple of 32, so a head's blocks are the row's). */
-static inline void ks_fwd_attention(const ks_model *M, const ks_kv *kv, int li,
-                                    const ks_scratch *S, const ks_batch *B, float *scratch)
+/* Item (t, h) of the heads phase: q/k norm and RoPE of head h of token t; a K head's and
+ * its V's rows into the arena. */
+static inline void ks_head_item(const ks_model *M, const ks_layer *L, const ks_kv *kv, int li,
+                                const ks_scratch *S, const ks_batch *B, int t, int h)
+{
+    const int hd = M->hd, nh = M->n_heads, nkv = M->n_kv;
+    const float *ct = B->rope_cos + (int64_t)t * (hd / 2), *st = B->rope_sin + (int64_t)t * (hd / 2);
+    if (h < nh) {
+        float *qh = S->q + ((int64_t)t * nh + h) * hd;
+        if (L->q_norm)
+            ks_rmsnorm_row(qh, L->q_norm, M->eps, qh, hd);
+        ks_rope_row(qh, ct, st, hd, M->neox);
+        return;
+    }
+    const int g = h - nh;
+    float *kh = S->k + ((int64_t)t * nkv + g) * hd;
+    if (L->k_norm)
+        ks_rmsnorm_row(kh, L->k_norm, M->eps, kh, hd);
+    ks_rope_row(kh, ct, st, hd, M->neox);
+    const int64_t row = (int64_t)li * nkv * kv->max_seq + (int64_t)g * kv->max_seq + B->pos0 + t;
+    kv->k_s[row] = ks_quantize_head(kh, kv->k_q + row * hd, hd);
+    kv->v_s[row] = ks_quantize_head(S->v + ((int64_t)t * nkv + g) * hd, kv->v_q + row * hd, hd);
+}
+
+/* The attention phases of layer li: the chunk's queries over KV rows 0 .. pos0 + t, into
+ * att (n, q_dim) and its Q8_0 per head (sq, sd: hd is a multiple of 32, so a head's blocks
+ * are the row's). Decode: (KV head, key range) items, then one merge item per head. Prefill:
+ * (token tile, KV head) items, later tiles (more keys: causal) first. */
+static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv *kv, int li,
+                                      const ks_scratch *S, const ks_batch *B, float *scratch)
 {
     const int hd = M->hd, nh = M->n_heads, nkv = M->n_kv, G = nh / nkv, n = B->n;
     const int64_t lq = (int64_t)li * nkv * kv->max_seq;
     const int8_t *kq = kv->k_q + lq * hd, *vq = kv->v_q + lq * hd;
     const float *ks = kv->k_s + lq, *vs = kv->v_s + lq;
-    if (n == 1) {   /* decode: (KV head, key range) items, merged per head */
+    if (n == 1) {
         const int split = ks_attn_split_len(B->pos0 + 1, kv->kv_bs);
         const int n_split = (B->pos0 + split) / split;
         const int64_t pf = ks_attn_part_floats(G, hd);
-        #pragma omp for schedule(static)
-        for (int it = 0; it < nkv * n_split; it++)
+        KS_EACH_ITEM(w, nkv * n_split, it)
             ks_attn_decode_item(S->q, kq, ks, vq, vs, S->attn_parts + it * pf, nh, nkv, hd,
                                 kv->max_seq, B->pos0, M->scale, kv->kv_bs, split, it % n_split,
                                 it / n_split, scratch);
-        #pragma omp for schedule(static)
-        for (int h = 0; h < nh; h++) {
+        if (!ks_phase_end(w, nkv * n_split))
+            return 0;
+        KS_EACH_ITEM(w, nh, h) {
             ks_attn_decode_merge(S->attn_parts, S->att, nh, nkv, hd, n_split, h);
             ks_quantize_row_q8_0(S->att + h * hd, S->sq + h * hd, S->sd + h * (hd / KS_QK), hd);
         }
-        return;
+        return ks_phase_end(w, nh);
     }
-    /* prefill: (token tile, KV head) items; causal, so later tiles (more keys) go first */
     const int n_tiles = (n + KS_ATTN_TOKENS - 1) / KS_ATTN_TOKENS;
-    #pragma omp for schedule(dynamic)
-    for (int it = 0; it < n_tiles * nkv; it++) {
+    KS_EACH_ITEM(w, n_tiles * nkv, it) {
         const int t0 = (n_tiles - 1 - it / nkv) * KS_ATTN_TOKENS, g = it % nkv;
         const int t1 = t0 + KS_ATTN_TOKENS < n ? t0 + KS_ATTN_TOKENS : n;
         ks_attn_prefill_item(S->q, kq, ks, vq, vs, S->att, nh, nkv, hd, kv->max_seq, B->pos0,
@@ -294,149 +321,176 @@ static inline void ks_fwd_attention(const ks_model *M, const ks_kv *kv, int li,
                 ks_quantize_row_q8_0(S->att + o, S->sq + o, S->sd + o / KS_QK, hd);
             }
     }
+    return ks_phase_end(w, n_tiles * nkv);
 }
 
-/* The routed experts of the chunk's tokens, whose normed rows (xn) and their Q8_0 are the
- * calling thread's: the router and top-k of every token, the (token, slot) pairs grouped by
- * expert, then per chosen expert the gate/up/swiglu and down of its tokens into S->ey.
- * `routing`: NULL or (n, n_used) where the choices are copied. The caller adds the weighted
- * outputs (ks_fwd_ffn_add) after the barrier that ends the down products. */
-static inline void ks_fwd_moe(const ks_model *M, const ks_layer *L, ks_scratch *S, int n,
-                              const float *xn, const int8_t *xq, const float *xd,
-                              int32_t *routing, int nthreads)
+#define KS_ROUTER_EXPERTS 16    /* router rows per work item */
+
+/* The MoE phases of layer L over the normed rows (xn and its Q8_0): the router (token,
+ * 16 experts) items; one item that picks every token's top-k, groups the (token, slot)
+ * pairs by expert and gathers each pair's activation row; per chosen expert the gate/up/
+ * swiglu and the down products of its tokens into S->ey. `routing`: NULL or (n, n_used)
+ * where the choices are copied. The weighted sum is added by the next norm phase. */
+static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L,
+                                ks_scratch *S, int n, int32_t *routing)
 {
     const int H = M->hidden, F = M->expert_ffn, k = M->n_used, E = M->n_exp;
     const float *router = (const float *)L->router.data;
-    #pragma omp for schedule(static)
-    for (int it = 0; it < n * E; it++)
-        S->probs[it] = ks_dot_f32(xn + (int64_t)(it / E) * H, router + (int64_t)(it % E) * H, H);
-    #pragma omp single
-    {
+    const int per_t = (E + KS_ROUTER_EXPERTS - 1) / KS_ROUTER_EXPERTS;
+    KS_EACH_ITEM(w, n * per_t, it) {
+        const int t = it / per_t, e0 = (it % per_t) * KS_ROUTER_EXPERTS;
+        const int e1 = e0 + KS_ROUTER_EXPERTS < E ? e0 + KS_ROUTER_EXPERTS : E;
+        for (int e = e0; e < e1; e++)
+            S->probs[(int64_t)t * E + e] = ks_dot_f32(S->xn + (int64_t)t * H, router + (int64_t)e * H, H);
+    }
+    if (!ks_phase_end(w, n * per_t))
+        return 0;
+    KS_EACH_ITEM(w, 1, it) {
         for (int t = 0; t < n; t++)
             ks_moe_select(S->probs + (int64_t)t * E, E, M->norm_topk, S->top_idx + t * k,
                           S->top_w + t * k, k);
         S->n_active = ks_moe_group(S->top_idx, n, k, E, S->counts, S->offsets, S->rows,
                                    S->slot_pos, S->active);
         for (int p = 0; p < n * k; p++) {   /* each pair's activation row, in sorted order */
-            memcpy(S->gxq + (int64_t)p * H, xq + (int64_t)S->rows[p] * H, H);
-            memcpy(S->gxd + (int64_t)p * (H / KS_QK), xd + (int64_t)S->rows[p] * (H / KS_QK),
+            memcpy(S->gxq + (int64_t)p * H, S->xq + (int64_t)S->rows[p] * H, H);
+            memcpy(S->gxd + (int64_t)p * (H / KS_QK), S->xd + (int64_t)S->rows[p] * (H / KS_QK),
                    sizeof(float) * (H / KS_QK));
         }
         if (routing)
             memcpy(routing, S->top_idx, sizeof(int32_t) * n * k);
     }
-    /* gate, up, swiglu, Q8_0: (chosen expert, 32-row block) items over its tokens */
+    if (!ks_phase_end(w, 1))
+        return 0;
     const int nb = F / KS_FFN_BLOCK;
-    #pragma omp for schedule(static)
-    for (int it = 0; it < S->n_active * nb; it++) {
+    KS_EACH_ITEM(w, S->n_active * nb, it) {
         const int e = S->active[it / nb], a = S->offsets[e], c = S->counts[e];
         ks_ffn_block(&L->gate, &L->up, e, it % nb, S->gxq + (int64_t)a * H,
                      S->gxd + (int64_t)a * (H / KS_QK), c, S->egate + (int64_t)a * F,
                      S->eup + (int64_t)a * F, S->ehq + (int64_t)a * F,
                      S->ehd + (int64_t)a * (F / KS_QK));
     }
-    /* down: (chosen expert, row run) items */
-    const int per = ks_rows_per_item(H, n, nthreads), runs = (H + per - 1) / per;
-    #pragma omp for schedule(static) nowait
-    for (int it = 0; it < S->n_active * runs; it++) {
+    if (!ks_phase_end(w, S->n_active * nb))
+        return 0;
+    const int per = ks_rows_per_item(H, n, S->nthreads), runs = ks_items_of(H, per);
+    KS_EACH_ITEM(w, S->n_active * runs, it) {
         const int e = S->active[it / runs], a = S->offsets[e], c = S->counts[e];
         const int r0 = (it % runs) * per, r1 = r0 + per < H ? r0 + per : H;
         ks_matrix_rows(&L->down, e, S->ehq + (int64_t)a * F, S->ehd + (int64_t)a * (F / KS_QK),
                        c, S->ey + (int64_t)a * H, r0, r1);
     }
+    return ks_phase_end(w, S->n_active * runs);
 }
 
-/* The dense feed-forward: gate/up/swiglu/Q8_0 by 32-row blocks (into sq, sd), then down into
- * proj; no barrier at the end. */
-static inline void ks_fwd_mlp(const ks_model *M, const ks_layer *L, const ks_scratch *S, int n,
-                              const int8_t *xq, const float *xd, int nthreads)
+/* The dense feed-forward phases: gate/up/swiglu/Q8_0 by 32-row blocks (into sq, sd), then
+ * down into proj. */
+static inline int ks_phases_mlp(ks_walk *w, const ks_model *M, const ks_layer *L,
+                                const ks_scratch *S, int n)
 {
-    #pragma omp for schedule(static)
-    for (int b = 0; b < M->ffn / KS_FFN_BLOCK; b++)
-        ks_ffn_block(&L->gate, &L->up, 0, b, xq, xd, n, S->gate, S->up, S->sq, S->sd);
-    ks_par_matmul(&L->down, 0, S->sq, S->sd, n, S->proj, nthreads);
-}
-
-/* x (n, H) += the feed-forward output of layer L (after the barrier that ends it). */
-static inline void ks_fwd_ffn_add(const ks_model *M, const ks_layer *L, const ks_scratch *S,
-                                  float *x, int n)
-{
-    const int H = M->hidden, k = M->n_used;
-    for (int t = 0; t < n; t++) {
-        if (!L->router.data)
-            ks_add_scaled(x + (int64_t)t * H, S->proj + (int64_t)t * H, 1.0f, H);
-        else
-            ks_moe_combine_row(x + (int64_t)t * H, S->ey, S->slot_pos + t * k, S->top_w + t * k, k, H);
-    }
-}
-
-/* Qwen3-VL DeepStack: the visual rows of x += their features of layer li. */
-static inline void ks_fwd_deepstack(const ks_model *M, const ks_batch *B, int li, float *x)
-{
-    const int H = M->hidden;
-    for (int r = 0; r < B->n_vis; r++)
-        ks_add_scaled(x + (int64_t)B->vis_rows[r] * H,
-                      B->deep + ((int64_t)li * B->n_vis + r) * H, 1.0f, H);
+    const int nb = M->ffn / KS_FFN_BLOCK;
+    KS_EACH_ITEM(w, nb, b)
+        ks_ffn_block(&L->gate, &L->up, 0, b, S->xq, S->xd, n, S->gate, S->up, S->sq, S->sd);
+    if (!ks_phase_end(w, nb))
+        return 0;
+    const ks_matrix *down = &L->down;
+    float *proj = S->proj;
+    return ks_phase_matmuls(w, &down, &proj, 1, S->sq, S->sd, n, S->nthreads);
 }
 
 /* ---- the pass ----------------------------------------------------------------------------- */
 
-/* Runs the chunk B (B->n <= S->max_chunk tokens at KV rows pos0.., rows 0 .. pos0 - 1 valid):
- * stores its KV and writes its logits. Checked by the caller: shapes, token ids, positions. */
-static void ks_forward(const ks_model *M, const ks_kv *kv, ks_scratch *S, const ks_batch *B)
+/* Phases a pass over a model of n_layers layers may have. */
+static inline int ks_forward_phases(int n_layers) { return 1 + 11 * n_layers + 2; }
+
+/* What a pass reads: the team's job. */
+typedef struct {
+    const ks_model *M;
+    const ks_kv *kv;
+    ks_scratch *S;
+    const ks_batch *B;
+} ks_forward_job;
+
+/* One thread's walk through the pass (ks_team_fn). */
+static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
 {
+    const ks_forward_job *J = T->job;
+    const ks_model *M = J->M;
+    ks_scratch *S = J->S;
+    const ks_batch *B = J->B;
     const int H = M->hidden, n = B->n, nthreads = S->nthreads;
+    float *scratch = S->attn_scratch + tid * S->attn_floats;
+    ks_walk walk = {T, pass, 0, tid, 0, 0, 0, 0}, *w = &walk;
+    int moe_layer = 0;
 
-    #pragma omp parallel num_threads(nthreads)
-    {
-        const int tid = omp_get_thread_num();
-        const int64_t own = (int64_t)tid * S->max_chunk * H;
-        float *x = S->x + own, *xn = S->xn + own, *xd = S->xd + own / KS_QK;
-        int8_t *xq = S->xq + own;
-        float *scratch = S->attn_scratch + tid * S->attn_floats;
-        int moe_layer = 0;
-
-        for (int t = 0; t < n; t++)
-            ks_matrix_dequant_row(&M->tok_embd, 0, B->tokens[t], x + (int64_t)t * H);
-        for (int r = 0; r < B->n_vis; r++)
-            memcpy(x + (int64_t)B->vis_rows[r] * H, B->vis_embd + (int64_t)r * H, sizeof(float) * H);
-
-        for (int li = 0; li < M->n_layers; li++) {
-            const ks_layer *L = &M->layers[li];
-            if (li > 0) {
-                ks_fwd_ffn_add(M, L - 1, S, x, n);
-                if (li - 1 < B->n_deep)
-                    ks_fwd_deepstack(M, B, li - 1, x);
-            }
-            ks_norm_rows(M, x, L->attn_norm, n, xn, xq, xd);
-            ks_par_matmul(&L->wq, 0, xq, xd, n, S->q, nthreads);
-            ks_par_matmul(&L->wk, 0, xq, xd, n, S->k, nthreads);
-            ks_par_matmul(&L->wv, 0, xq, xd, n, S->v, nthreads);
-            #pragma omp barrier
-            ks_fwd_heads(M, L, kv, li, S, B);
-            ks_fwd_attention(M, kv, li, S, B, scratch);
-            ks_par_matmul(&L->wo, 0, S->sq, S->sd, n, S->proj, nthreads);
-            #pragma omp barrier
-            for (int t = 0; t < n; t++)
-                ks_add_scaled(x + (int64_t)t * H, S->proj + (int64_t)t * H, 1.0f, H);
-            ks_norm_rows(M, x, L->ffn_norm, n, xn, xq, xd);
-            if (L->router.data) {
-                int32_t *routing = B->routing ? B->routing + (int64_t)moe_layer * n * M->n_used : NULL;
-                ks_fwd_moe(M, L, S, n, xn, xq, xd, routing, nthreads);
-                moe_layer++;
-            } else {
-                ks_fwd_mlp(M, L, S, n, xq, xd, nthreads);
-            }
-            #pragma omp barrier
-        }
-        ks_fwd_ffn_add(M, &M->layers[M->n_layers - 1], S, x, n);
-        if (M->n_layers - 1 < B->n_deep)
-            ks_fwd_deepstack(M, B, M->n_layers - 1, x);
-        /* logits of every token, or of the last one only */
-        const int first = B->all_logits ? 0 : n - 1, m = n - first;
-        ks_norm_rows(M, x + (int64_t)first * H, M->out_norm, m, xn, xq, xd);
-        ks_par_matmul(&M->output, 0, xq, xd, m, B->logits, nthreads);
+    KS_EACH_ITEM(w, n, t) {
+        int r = B->n_vis - 1;
+        while (r >= 0 && B->vis_rows[r] != t)
+            r--;
+        if (r >= 0)
+            memcpy(S->x + (int64_t)t * H, B->vis_embd + (int64_t)r * H, sizeof(float) * H);
+        else
+            ks_matrix_dequant_row(&M->tok_embd, 0, B->tokens[t], S->x + (int64_t)t * H);
     }
+    if (!ks_phase_end(w, n))
+        goto late;
+    for (int li = 0; li < M->n_layers; li++) {
+        const ks_layer *L = &M->layers[li];
+        KS_EACH_ITEM(w, n, t) {
+            if (li > 0)
+                ks_ffn_add_row(M, L - 1, li - 1, S, B, t);
+            ks_norm_row(M, S, t, t, L->attn_norm);
+        }
+        if (!ks_phase_end(w, n))
+            goto late;
+        const ks_matrix *qkv[3] = {&L->wq, &L->wk, &L->wv};
+        float *qkv_out[3] = {S->q, S->k, S->v};
+        if (!ks_phase_matmuls(w, qkv, qkv_out, 3, S->xq, S->xd, n, nthreads))
+            goto late;
+        const int per_t = M->n_heads + M->n_kv;
+        KS_EACH_ITEM(w, n * per_t, it)
+            ks_head_item(M, L, J->kv, li, S, B, it / per_t, it % per_t);
+        if (!ks_phase_end(w, n * per_t) || !ks_phases_attention(w, M, J->kv, li, S, B, scratch))
+            goto late;
+        const ks_matrix *wo = &L->wo;
+        float *proj = S->proj;
+        if (!ks_phase_matmuls(w, &wo, &proj, 1, S->sq, S->sd, n, nthreads))
+            goto late;
+        KS_EACH_ITEM(w, n, t) {
+            ks_add_scaled(S->x + (int64_t)t * H, S->proj + (int64_t)t * H, 1.0f, H);
+            ks_norm_row(M, S, t, t, L->ffn_norm);
+        }
+        if (!ks_phase_end(w, n))
+            goto late;
+        if (L->router.data) {
+            int32_t *routing = B->routing ? B->routing + (int64_t)moe_layer * n * M->n_used : NULL;
+            moe_layer++;
+            if (!ks_phases_moe(w, M, L, S, n, routing))
+                goto late;
+        } else if (!ks_phases_mlp(w, M, L, S, n)) {
+            goto late;
+        }
+    }
+    /* logits of every token, or of the last one only */
+    const int first = B->all_logits ? 0 : n - 1, m = n - first;
+    KS_EACH_ITEM(w, m, i) {
+        ks_ffn_add_row(M, &M->layers[M->n_layers - 1], M->n_layers - 1, S, B, first + i);
+        ks_norm_row(M, S, first + i, i, M->out_norm);
+    }
+    if (!ks_phase_end(w, m))
+        goto late;
+    const ks_matrix *out = &M->output;
+    float *logits = B->logits;
+    ks_phase_matmuls(w, &out, &logits, 1, S->xq, S->xd, m, nthreads);
+late:
+    __atomic_store_n(&T->items[tid], w->taken, __ATOMIC_RELAXED);
+}
+
+/* Runs the chunk job->B (B->n <= S->max_chunk tokens at KV rows pos0.., rows 0 .. pos0 - 1
+ * valid) on the team T (made for ks_forward_walk): stores its KV and writes its logits.
+ * Checked by the caller: shapes, token ids, positions. The job and what it points to must
+ * stay readable after the pass (a late thread reads them to find that it is late). */
+static void ks_forward(ks_team *T, const ks_forward_job *job)
+{
+    ks_team_run(T, job);
 }
 
 #endif /* KS_FORWARD_H */

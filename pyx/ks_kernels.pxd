@@ -1,5 +1,5 @@
 # C declarations of the kernel headers (pyx/ks_*.h), cimported by _kernels.pyx.
-from libc.stdint cimport int8_t, uint8_t, int32_t, int64_t
+from libc.stdint cimport int8_t, uint8_t, int32_t, uint32_t, int64_t
 
 
 cdef extern from "ks_common.h" nogil:
@@ -117,7 +117,20 @@ cdef extern from "ks_forward.h" nogil:
         int max_chunk, nthreads
     int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, int max_chunk,
                               int nthreads, int kv_bs)
-    void ks_forward(const ks_model *M, const ks_kv *kv, ks_scratch *S, const ks_batch *B)
+    ctypedef struct ks_team:
+        int nthreads
+    ctypedef void (*ks_team_fn)(ks_team *T, int tid, uint32_t pass_)
+    int ks_team_init(ks_team *T, int nthreads, int n_phases, ks_team_fn fn)
+    void ks_team_free(ks_team *T)
+    int ks_team_working(const ks_team *T)
+    ctypedef struct ks_forward_job:
+        const ks_model *M
+        const ks_kv *kv
+        ks_scratch *S
+        const ks_batch *B
+    int ks_forward_phases(int n_layers)
+    void ks_forward_walk(ks_team *T, int tid, uint32_t pass_)
+    void ks_forward(ks_team *T, const ks_forward_job *job)
 
 
 cdef extern from "ks_vision.h" nogil:

@@ -423,7 +423,7 @@ def test_log_has_ready_line_request_lines_and_no_prompt_text(daemon, client):
     client.generate(prompt="zebraquokka " + STORY, max_tokens=2)
     client.generate(prompt="zebraquokka " + STORY + "More.", max_tokens=2)   # a prefix hit
     log = daemon.log()
-    assert "inference state ready (max_seq=512, kv_bs=32, kv_arena=6.3 MB)" in log
+    assert "inference state ready (max_seq=512, kv_bs=32, kv_arena=6.3 MB, threads=1)" in log
     assert "request conn=" in log and " cached=" in log and " tok/s" in log
     assert "[KV-PREFIX]" in log
     assert "zebraquokka" not in log

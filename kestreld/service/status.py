@@ -79,6 +79,7 @@ class StatusReporter:
             "rss_mb": round(self.rss_bytes() / 2**20, 1),
             "mem_avail_mb": round(psutil.virtual_memory().available / 2**20, 1),
             "threads": self._config.n_threads,
+            "threads_working": self._engine.forward.working_threads,
         }
         out.update(self._scheduler.stats())
         return out

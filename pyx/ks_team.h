@@ -1,0 +1,304 @@
+/* Kestrel kernels: the team of threads that runs a forward pass (no Python here).
+ *
+ * A pass is a fixed sequence of phases; each phase is a number of independent work items
+ * that any thread may take. Every thread of the team walks the phases in order: it claims
+ * items from the phase's counter until none is left, then waits until every item of the
+ * phase is done (the phase's inputs for the next one). So a barrier waits only for items in
+ * flight, never for a thread that holds none: when the kernel deschedules a thread (another
+ * process wants its core), the threads that run take its share, and the late thread, once
+ * back, finds the finished phases empty and joins where the others are, or, if the pass is
+ * over, waits for the next one. OpenMP's teams (and llama.cpp's pool) instead give each
+ * thread a fixed share and make every barrier wait for every thread, so one descheduled
+ * thread stops all of them for a whole time slice, at every barrier.
+ *
+ * Waits spin briefly (a phase normally ends within microseconds), then sleep on a futex so
+ * that the core is free for whatever holds the awaited item: an idle core is where Linux
+ * moves a preempted runnable thread. Results do not depend on which thread takes an item.
+ *
+ * Counters carry the pass number in their high 32 bits, so a late thread can never claim an
+ * item of a later pass by mistake: its claim fails and it rejoins at the current pass.
+ */
+#ifndef KS_TEAM_H
+#define KS_TEAM_H
+
+#include <limits.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__linux__)
+#  include <linux/futex.h>
+#  include <sys/syscall.h>
+#  include <unistd.h>
+#else
+#  include <sched.h>
+#endif
+
+#define KS_SPIN_NS 20000      /* a wait spins this long before it sleeps */
+
+/* One phase of the current pass: its claim counter (pass << 32 | items claimed) and the
+ * number of its items done, on a cache line of their own. */
+typedef struct {
+    uint64_t next;
+    uint32_t done;
+    char pad[64 - sizeof(uint64_t) - sizeof(uint32_t)];
+} ks_phase;
+
+struct ks_team;
+typedef void (*ks_team_fn)(struct ks_team *T, int tid, uint32_t pass);
+
+typedef struct ks_team {
+    int nthreads;                 /* the caller (tid 0) and nthreads - 1 workers */
+    int n_phases;                 /* phases a pass may have */
+    ks_phase *phases;
+    pthread_t *workers;
+    ks_team_fn fn;                /* what a pass runs, on every thread */
+    const void *job;              /* its arguments, read by fn */
+    uint32_t pass;                /* the current pass (0: none yet) */
+    uint32_t seq;                 /* futex word: bumped whenever something is published */
+    uint32_t sleepers;            /* threads asleep on seq */
+    int stop;
+    uint32_t *items;              /* (nthreads) items each thread took in its last pass */
+} ks_team;
+
+typedef struct { ks_team *team; int tid; } ks_worker;
+
+static inline void ks_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int64_t ks_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void ks_futex_wait(uint32_t *addr, uint32_t seen)
+{
+#if defined(__linux__)
+    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+#else
+    (void)addr; (void)seen;
+    sched_yield();
+#endif
+}
+
+static inline void ks_futex_wake_all(uint32_t *addr)
+{
+#if defined(__linux__)
+    syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#else
+    (void)addr;
+#endif
+}
+
+/* Publishes what this thread just made visible (a finished phase, a new pass, stop). */
+static inline void ks_team_publish(ks_team *T)
+{
+    __atomic_fetch_add(&T->seq, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&T->sleepers, __ATOMIC_SEQ_CST))
+        ks_futex_wake_all(&T->seq);
+}
+
+/* What a wait waits for: phase ph to have `items` done, or the pass to be other than
+ * `pass` (the waiter is late); with ph NULL, the team's pass to be other than `pass`, or stop. */
+typedef struct {
+    const ks_phase *ph;
+    uint32_t items, pass;
+} ks_wait_for;
+
+static inline int ks_waited(const ks_team *T, const ks_wait_for *f)
+{
+    if (!f->ph)
+        return __atomic_load_n(&T->pass, __ATOMIC_ACQUIRE) != f->pass
+            || __atomic_load_n(&T->stop, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&f->ph->done, __ATOMIC_ACQUIRE) >= f->items
+        || (uint32_t)(__atomic_load_n(&f->ph->next, __ATOMIC_ACQUIRE) >> 32) != f->pass;
+}
+
+/* Waits for f: spins for KS_SPIN_NS, then sleeps on T->seq until a publish. */
+static inline void ks_team_wait(ks_team *T, const ks_wait_for *f)
+{
+    if (ks_waited(T, f))
+        return;
+    const int64_t until = ks_now_ns() + KS_SPIN_NS;
+    for (int i = 1;; i++) {
+        ks_cpu_relax();
+        if (ks_waited(T, f))
+            return;
+        if ((i & 63) == 0 && ks_now_ns() > until)
+            break;
+    }
+    __atomic_fetch_add(&T->sleepers, 1, __ATOMIC_SEQ_CST);
+    for (;;) {
+        const uint32_t seen = __atomic_load_n(&T->seq, __ATOMIC_SEQ_CST);
+        if (ks_waited(T, f))
+            break;
+        ks_futex_wait(&T->seq, seen);
+    }
+    __atomic_fetch_sub(&T->sleepers, 1, __ATOMIC_SEQ_CST);
+}
+
+/* ---- inside a pass: one thread's walk over the phases ------------------------------------ */
+
+typedef struct {
+    ks_team *team;
+    uint32_t pass;
+    int phase;        /* index of the current phase */
+    int tid;
+    uint32_t taken;   /* items this thread took in this pass */
+    int first, next, end;   /* the run of items claimed last: first .. end - 1, next to do */
+} ks_walk;
+
+/* The next item of the walk's current phase (0 .. items - 1) for this thread to do, or -1:
+ * none left, or the pass is over (this thread is late). Items are claimed in runs that
+ * shrink as the phase empties (a quarter of what is left per thread, down to one), so a
+ * phase costs a few claims per thread while its last items still spread over all of
+ * them; a run's items are counted done when the thread comes back for more. */
+static inline int ks_claim(ks_walk *w, int items)
+{
+    if (w->next < w->end)
+        return w->next++;
+    ks_phase *ph = &w->team->phases[w->phase];
+    if (w->end > w->first) {
+        if ((int)__atomic_add_fetch(&ph->done, (uint32_t)(w->end - w->first), __ATOMIC_SEQ_CST) == items)
+            ks_team_publish(w->team);
+        w->first = w->end;
+    }
+    uint64_t v = __atomic_load_n(&ph->next, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const int claimed = (int)(uint32_t)v;
+        if ((uint32_t)(v >> 32) != w->pass || claimed >= items)
+            return -1;
+        int run = (items - claimed) / (4 * w->team->nthreads);
+        run = run < 1 ? 1 : run;
+        if (__atomic_compare_exchange_n(&ph->next, &v, v + (uint64_t)run, 1, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            w->taken += (uint32_t)run;
+            w->first = claimed;
+            w->next = claimed + 1;
+            w->end = claimed + run;
+            return claimed;
+        }
+    }
+}
+
+/* Ends the walk's current phase: waits until all `items` are done; 1 then (the walk moves
+ * to the next phase), 0 if this thread is late and the pass is over. */
+static inline int ks_phase_end(ks_walk *w, int items)
+{
+    const ks_phase *ph = &w->team->phases[w->phase];
+    const ks_wait_for f = {ph, (uint32_t)items, w->pass};
+    ks_team_wait(w->team, &f);
+    /* the pass number is checked last: done is reset before the next pass starts */
+    if ((uint32_t)(__atomic_load_n(&ph->next, __ATOMIC_ACQUIRE) >> 32) != w->pass)
+        return 0;
+    w->phase++;
+    w->first = w->next = w->end = 0;
+    return 1;
+}
+
+/* Every item of the current phase, for `it` from 0 .. items - 1, by whichever threads get
+ * there; then `if (!ks_phase_end(w, items)) return;` */
+#define KS_EACH_ITEM(w, items, it) \
+    for (int it; ((it) = ks_claim((w), (items))) >= 0;)
+
+/* ---- the team's life ---------------------------------------------------------------------- */
+
+static void *ks_worker_main(void *arg)
+{
+    ks_team *T = ((ks_worker *)arg)->team;
+    const int tid = ((ks_worker *)arg)->tid;
+    uint32_t seen = 0;
+    free(arg);
+    for (;;) {
+        const ks_wait_for next = {NULL, 0, seen};
+        ks_team_wait(T, &next);
+        if (__atomic_load_n(&T->stop, __ATOMIC_ACQUIRE))
+            return NULL;
+        seen = __atomic_load_n(&T->pass, __ATOMIC_ACQUIRE);
+        T->fn(T, tid, seen);
+    }
+}
+
+static void ks_team_free(ks_team *T);
+
+/* A team of nthreads (the caller and nthreads - 1 new threads) for passes of up to n_phases
+ * phases of fn; 0, or -1 with nothing left allocated. */
+static int ks_team_init(ks_team *T, int nthreads, int n_phases, ks_team_fn fn)
+{
+    void *mem = NULL;
+    memset(T, 0, sizeof *T);
+    T->fn = fn;
+    T->n_phases = n_phases;
+    if (posix_memalign(&mem, 64, sizeof(ks_phase) * (size_t)n_phases) != 0)
+        return -1;
+    T->phases = mem;
+    memset(T->phases, 0, sizeof(ks_phase) * (size_t)n_phases);
+    T->items = calloc((size_t)nthreads, sizeof(uint32_t));
+    T->workers = calloc((size_t)nthreads, sizeof(pthread_t));
+    if (!T->items || !T->workers) {
+        ks_team_free(T);
+        return -1;
+    }
+    for (int tid = 1; tid < nthreads; tid++) {
+        ks_worker *arg = malloc(sizeof *arg);
+        if (!arg || (arg->team = T, arg->tid = tid,
+                     pthread_create(&T->workers[tid], NULL, ks_worker_main, arg) != 0)) {
+            free(arg);
+            ks_team_free(T);
+            return -1;
+        }
+        T->nthreads = tid + 1;    /* the threads started so far, for ks_team_free */
+    }
+    T->nthreads = nthreads;
+    return 0;
+}
+
+/* Stops and joins the workers, frees the team's memory. */
+static void ks_team_free(ks_team *T)
+{
+    __atomic_store_n(&T->stop, 1, __ATOMIC_RELEASE);
+    ks_team_publish(T);
+    for (int tid = 1; tid < T->nthreads; tid++)
+        pthread_join(T->workers[tid], NULL);
+    free(T->phases);
+    free(T->items);
+    free(T->workers);
+    memset(T, 0, sizeof *T);
+}
+
+/* Runs one pass of the team's fn over job, the caller taking part as thread 0; returns when
+ * every phase is done. Only one thread may call this, one pass at a time. */
+static void ks_team_run(ks_team *T, const void *job)
+{
+    uint32_t pass = T->pass + 1;
+    if (pass == 0)
+        pass = 1;
+    T->job = job;
+    for (int p = 0; p < T->n_phases; p++) {
+        __atomic_store_n(&T->phases[p].next, (uint64_t)pass << 32, __ATOMIC_RELAXED);
+        __atomic_store_n(&T->phases[p].done, 0, __ATOMIC_RELEASE);
+    }
+    __atomic_store_n(&T->pass, pass, __ATOMIC_SEQ_CST);
+    ks_team_publish(T);
+    T->fn(T, 0, pass);
+}
+
+/* Threads that took work in their last pass (the threads that get to run, under load). */
+static inline int ks_team_working(const ks_team *T)
+{
+    int n = 0;
+    for (int tid = 0; tid < T->nthreads; tid++)
+        n += __atomic_load_n(&T->items[tid], __ATOMIC_RELAXED) > 0;
+    return n;
+}
+
+#endif /* KS_TEAM_H */
