@@ -70,22 +70,6 @@ class KestrelDecode(KestrelRunner):
         return self._run_cached(self._ids, n, expect_hit=True).decode_ms / 1e3
 
 
-class LlamaCppDecode(LlamaCppRunner):
-    """Decode continuing a context evaluated beforehand."""
-
-    def prepare(self, ids: list) -> None:
-        self.llm.reset()
-        self.llm.eval(ids)
-
-    def decode_prepared(self, n: int) -> float:
-        t0 = time.perf_counter()
-        tok = self._argmax()
-        for _ in range(n - 1):
-            self.llm.eval([tok])
-            tok = self._argmax()
-        return time.perf_counter() - t0
-
-
 def cases(args) -> list:
     """(name, kind, tokens, depth)."""
     return [(f"decode {args.decode_tokens} @ {d}", "decode", args.decode_tokens, d)
@@ -105,7 +89,7 @@ def bench(path: str, threads: int, args, have_llamacpp: bool) -> dict:
     n_batch = max(args.prefill, max(args.depths))
     runners = [KestrelDecode(path, threads, args.max_seq)]
     if have_llamacpp:
-        runners.append(LlamaCppDecode(path, threads, args.max_seq, n_batch, True, True))
+        runners.append(LlamaCppRunner(path, threads, args.max_seq, n_batch, True, True))
     all_cases = cases(args)
     out = {c[0]: {cond: {r.name: [] for r in runners} for cond, _ in CONDITIONS} for c in all_cases}
     warm = np.random.default_rng(0)

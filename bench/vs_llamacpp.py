@@ -127,15 +127,23 @@ class LlamaCppRunner:
         self._argmax()
         return time.perf_counter() - t0
 
-    def decode(self, ids: list, n: int) -> float:
+    def prepare(self, ids: list) -> None:
+        """Evaluate ids as the context of the next decode_prepared."""
         self.llm.reset()
         self.llm.eval(ids)
+
+    def decode_prepared(self, n: int) -> float:
+        """Seconds of n-1 single-token passes continuing the prepared context."""
         t0 = time.perf_counter()
         tok = self._argmax()
         for _ in range(n - 1):
             self.llm.eval([tok])
             tok = self._argmax()
         return time.perf_counter() - t0
+
+    def decode(self, ids: list, n: int) -> float:
+        self.prepare(ids)
+        return self.decode_prepared(n)
 
 
 def make_runner(engine: str, path: str, args, n_batch: int):

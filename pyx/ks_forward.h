@@ -212,7 +212,7 @@ static inline int ks_phase_matmuls(ks_walk *w, const ks_matrix *const *ws, float
             i++;
         ks_rows_item(ws[i], 0, per[i], it - first[i], xq, xd, n, outs[i]);
     }
-    return ks_phase_end(w, first[nw]);
+    return ks_phase_end(w);
 }
 
 /* Rows [b*32, b*32 + 32) of a SwiGLU pair for n activation rows: gate and up rows, then
@@ -301,13 +301,13 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
             ks_attn_decode_item(S->q, kq, ks, vq, vs, S->attn_parts + it * pf, nh, nkv, hd,
                                 kv->max_seq, B->pos0, M->scale, kv->kv_bs, split, it % n_split,
                                 it / n_split, scratch);
-        if (!ks_phase_end(w, nkv * n_split))
+        if (!ks_phase_end(w))
             return 0;
         KS_EACH_ITEM(w, nh, h) {
             ks_attn_decode_merge(S->attn_parts, S->att, nh, nkv, hd, n_split, h);
             ks_quantize_row_q8_0(S->att + h * hd, S->sq + h * hd, S->sd + h * (hd / KS_QK), hd);
         }
-        return ks_phase_end(w, nh);
+        return ks_phase_end(w);
     }
     const int n_tiles = (n + KS_ATTN_TOKENS - 1) / KS_ATTN_TOKENS;
     KS_EACH_ITEM(w, n_tiles * nkv, it) {
@@ -321,7 +321,7 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
                 ks_quantize_row_q8_0(S->att + o, S->sq + o, S->sd + o / KS_QK, hd);
             }
     }
-    return ks_phase_end(w, n_tiles * nkv);
+    return ks_phase_end(w);
 }
 
 #define KS_ROUTER_EXPERTS 16    /* router rows per work item */
@@ -343,7 +343,7 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
         for (int e = e0; e < e1; e++)
             S->probs[(int64_t)t * E + e] = ks_dot_f32(S->xn + (int64_t)t * H, router + (int64_t)e * H, H);
     }
-    if (!ks_phase_end(w, n * per_t))
+    if (!ks_phase_end(w))
         return 0;
     KS_EACH_ITEM(w, 1, it) {
         for (int t = 0; t < n; t++)
@@ -359,7 +359,7 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
         if (routing)
             memcpy(routing, S->top_idx, sizeof(int32_t) * n * k);
     }
-    if (!ks_phase_end(w, 1))
+    if (!ks_phase_end(w))
         return 0;
     const int nb = F / KS_FFN_BLOCK;
     KS_EACH_ITEM(w, S->n_active * nb, it) {
@@ -369,7 +369,7 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
                      S->eup + (int64_t)a * F, S->ehq + (int64_t)a * F,
                      S->ehd + (int64_t)a * (F / KS_QK));
     }
-    if (!ks_phase_end(w, S->n_active * nb))
+    if (!ks_phase_end(w))
         return 0;
     const int per = ks_rows_per_item(H, n, S->nthreads), runs = ks_items_of(H, per);
     KS_EACH_ITEM(w, S->n_active * runs, it) {
@@ -378,7 +378,7 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
         ks_matrix_rows(&L->down, e, S->ehq + (int64_t)a * F, S->ehd + (int64_t)a * (F / KS_QK),
                        c, S->ey + (int64_t)a * H, r0, r1);
     }
-    return ks_phase_end(w, S->n_active * runs);
+    return ks_phase_end(w);
 }
 
 /* The dense feed-forward phases: gate/up/swiglu/Q8_0 by 32-row blocks (into sq, sd), then
@@ -389,7 +389,7 @@ static inline int ks_phases_mlp(ks_walk *w, const ks_model *M, const ks_layer *L
     const int nb = M->ffn / KS_FFN_BLOCK;
     KS_EACH_ITEM(w, nb, b)
         ks_ffn_block(&L->gate, &L->up, 0, b, S->xq, S->xd, n, S->gate, S->up, S->sq, S->sd);
-    if (!ks_phase_end(w, nb))
+    if (!ks_phase_end(w))
         return 0;
     const ks_matrix *down = &L->down;
     float *proj = S->proj;
@@ -430,7 +430,7 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
         else
             ks_matrix_dequant_row(&M->tok_embd, 0, B->tokens[t], S->x + (int64_t)t * H);
     }
-    if (!ks_phase_end(w, n))
+    if (!ks_phase_end(w))
         goto late;
     for (int li = 0; li < M->n_layers; li++) {
         const ks_layer *L = &M->layers[li];
@@ -439,7 +439,7 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
                 ks_ffn_add_row(M, L - 1, li - 1, S, B, t);
             ks_norm_row(M, S, t, t, L->attn_norm);
         }
-        if (!ks_phase_end(w, n))
+        if (!ks_phase_end(w))
             goto late;
         const ks_matrix *qkv[3] = {&L->wq, &L->wk, &L->wv};
         float *qkv_out[3] = {S->q, S->k, S->v};
@@ -448,7 +448,7 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
         const int per_t = M->n_heads + M->n_kv;
         KS_EACH_ITEM(w, n * per_t, it)
             ks_head_item(M, L, J->kv, li, S, B, it / per_t, it % per_t);
-        if (!ks_phase_end(w, n * per_t) || !ks_phases_attention(w, M, J->kv, li, S, B, scratch))
+        if (!ks_phase_end(w) || !ks_phases_attention(w, M, J->kv, li, S, B, scratch))
             goto late;
         const ks_matrix *wo = &L->wo;
         float *proj = S->proj;
@@ -458,7 +458,7 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
             ks_add_scaled(S->x + (int64_t)t * H, S->proj + (int64_t)t * H, 1.0f, H);
             ks_norm_row(M, S, t, t, L->ffn_norm);
         }
-        if (!ks_phase_end(w, n))
+        if (!ks_phase_end(w))
             goto late;
         if (L->router.data) {
             int32_t *routing = B->routing ? B->routing + (int64_t)moe_layer * n * M->n_used : NULL;
@@ -475,7 +475,7 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
         ks_ffn_add_row(M, &M->layers[M->n_layers - 1], M->n_layers - 1, S, B, first + i);
         ks_norm_row(M, S, first + i, i, M->out_norm);
     }
-    if (!ks_phase_end(w, m))
+    if (!ks_phase_end(w))
         goto late;
     const ks_matrix *out = &M->output;
     float *logits = B->logits;

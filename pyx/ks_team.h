@@ -15,8 +15,12 @@
  * that the core is free for whatever holds the awaited item: an idle core is where Linux
  * moves a preempted runnable thread. Results do not depend on which thread takes an item.
  *
- * Counters carry the pass number in their high 32 bits, so a late thread can never claim an
- * item of a later pass by mistake: its claim fails and it rejoins at the current pass.
+ * Where the team is lives in one word, `now` (pass << 32 | phase): the thread that finishes a
+ * phase's last item moves it on. Only a thread that finds `now` at its own phase may claim,
+ * or even count, that phase's items: a late thread must not, because a phase's item count
+ * is worked out from data that later phases overwrite (the next layer's routing, the next
+ * pass's job), and claiming with a stale count would do work that does not exist and count
+ * it into a later phase. Claim counters also carry the pass number in their high 32 bits.
  */
 #ifndef KS_TEAM_H
 #define KS_TEAM_H
@@ -56,6 +60,7 @@ typedef struct ks_team {
     ks_team_fn fn;                /* what a pass runs, on every thread */
     const void *job;              /* its arguments, read by fn */
     uint32_t pass;                /* the current pass (0: none yet) */
+    uint64_t now;                 /* pass << 32 | the phase the team is in */
     uint32_t seq;                 /* futex word: bumped whenever something is published */
     uint32_t sleepers;            /* threads asleep on seq */
     int stop;
@@ -107,20 +112,19 @@ static inline void ks_team_publish(ks_team *T)
         ks_futex_wake_all(&T->seq);
 }
 
-/* What a wait waits for: phase ph to have `items` done, or the pass to be other than
- * `pass` (the waiter is late); with ph NULL, the team's pass to be other than `pass`, or stop. */
+/* What a wait waits for: the team to have left `now` (a phase of a pass), or with
+ * whole_pass, to have left now's pass, or stop. */
 typedef struct {
-    const ks_phase *ph;
-    uint32_t items, pass;
+    uint64_t now;
+    int whole_pass;
 } ks_wait_for;
 
 static inline int ks_waited(const ks_team *T, const ks_wait_for *f)
 {
-    if (!f->ph)
-        return __atomic_load_n(&T->pass, __ATOMIC_ACQUIRE) != f->pass
-            || __atomic_load_n(&T->stop, __ATOMIC_ACQUIRE);
-    return __atomic_load_n(&f->ph->done, __ATOMIC_ACQUIRE) >= f->items
-        || (uint32_t)(__atomic_load_n(&f->ph->next, __ATOMIC_ACQUIRE) >> 32) != f->pass;
+    const uint64_t now = __atomic_load_n(&T->now, __ATOMIC_ACQUIRE);
+    if (f->whole_pass)
+        return (now >> 32) != (f->now >> 32) || __atomic_load_n(&T->stop, __ATOMIC_ACQUIRE);
+    return now != f->now;
 }
 
 /* Waits for f: spins for KS_SPIN_NS, then sleeps on T->seq until a publish. */
@@ -157,11 +161,33 @@ typedef struct {
     int first, next, end;   /* the run of items claimed last: first .. end - 1, next to do */
 } ks_walk;
 
+static inline uint64_t ks_walk_now(const ks_walk *w)
+{
+    return (uint64_t)w->pass << 32 | (uint32_t)w->phase;
+}
+
+/* Whether the team is in this walk's phase (so its item count may be worked out). */
+static inline int ks_phase_open(const ks_walk *w)
+{
+    return __atomic_load_n(&w->team->now, __ATOMIC_ACQUIRE) == ks_walk_now(w);
+}
+
+/* Moves the team from this walk's phase to the next one, once. */
+static inline void ks_phase_close(ks_walk *w)
+{
+    uint64_t expect = ks_walk_now(w);
+    if (__atomic_compare_exchange_n(&w->team->now, &expect, expect + 1, 0, __ATOMIC_SEQ_CST,
+                                    __ATOMIC_RELAXED))
+        ks_team_publish(w->team);
+}
+
 /* The next item of the walk's current phase (0 .. items - 1) for this thread to do, or -1:
- * none left, or the pass is over (this thread is late). Items are claimed in runs that
- * shrink as the phase empties (a quarter of what is left per thread, down to one), so a
- * phase costs a few claims per thread while its last items still spread over all of
- * them; a run's items are counted done when the thread comes back for more. */
+ * none left, or the team is past this phase (items < 0: KS_EACH_ITEM found it so). Items
+ * are claimed in runs that shrink as the phase empties (a quarter of what is left per
+ * thread, down to one), so a phase costs a few claims per thread while its last items still
+ * spread over all of them; a run's items are counted done when the thread comes back for
+ * more, and the thread that counts the last one closes the phase. (While a thread holds
+ * uncounted items the phase stays open, so its count is the phase's own.) */
 static inline int ks_claim(ks_walk *w, int items)
 {
     if (w->next < w->end)
@@ -169,8 +195,13 @@ static inline int ks_claim(ks_walk *w, int items)
     ks_phase *ph = &w->team->phases[w->phase];
     if (w->end > w->first) {
         if ((int)__atomic_add_fetch(&ph->done, (uint32_t)(w->end - w->first), __ATOMIC_SEQ_CST) == items)
-            ks_team_publish(w->team);
+            ks_phase_close(w);
         w->first = w->end;
+    }
+    if (items <= 0) {
+        if (items == 0)
+            ks_phase_close(w);      /* an empty phase: nobody else would */
+        return -1;
     }
     uint64_t v = __atomic_load_n(&ph->next, __ATOMIC_ACQUIRE);
     for (;;) {
@@ -190,15 +221,14 @@ static inline int ks_claim(ks_walk *w, int items)
     }
 }
 
-/* Ends the walk's current phase: waits until all `items` are done; 1 then (the walk moves
- * to the next phase), 0 if this thread is late and the pass is over. */
-static inline int ks_phase_end(ks_walk *w, int items)
+/* Ends the walk's current phase: waits until the team has left it; 1 then (the walk moves
+ * to the next phase: a late thread finds it closed too and passes through), 0 if the pass
+ * is over. */
+static inline int ks_phase_end(ks_walk *w)
 {
-    const ks_phase *ph = &w->team->phases[w->phase];
-    const ks_wait_for f = {ph, (uint32_t)items, w->pass};
+    const ks_wait_for f = {ks_walk_now(w), 0};
     ks_team_wait(w->team, &f);
-    /* the pass number is checked last: done is reset before the next pass starts */
-    if ((uint32_t)(__atomic_load_n(&ph->next, __ATOMIC_ACQUIRE) >> 32) != w->pass)
+    if ((__atomic_load_n(&w->team->now, __ATOMIC_ACQUIRE) >> 32) != w->pass)
         return 0;
     w->phase++;
     w->first = w->next = w->end = 0;
@@ -206,9 +236,10 @@ static inline int ks_phase_end(ks_walk *w, int items)
 }
 
 /* Every item of the current phase, for `it` from 0 .. items - 1, by whichever threads get
- * there; then `if (!ks_phase_end(w, items)) return;` */
+ * there (`items` is evaluated only while the team is in this phase); then
+ * `if (!ks_phase_end(w)) return;` */
 #define KS_EACH_ITEM(w, items, it) \
-    for (int it; ((it) = ks_claim((w), (items))) >= 0;)
+    for (int it; ((it) = ks_claim((w), ks_phase_open(w) ? (int)(items) : -1)) >= 0;)
 
 /* ---- the team's life ---------------------------------------------------------------------- */
 
@@ -216,15 +247,15 @@ static void *ks_worker_main(void *arg)
 {
     ks_team *T = ((ks_worker *)arg)->team;
     const int tid = ((ks_worker *)arg)->tid;
-    uint32_t seen = 0;
+    uint64_t seen = 0;
     free(arg);
     for (;;) {
-        const ks_wait_for next = {NULL, 0, seen};
+        const ks_wait_for next = {seen, 1};
         ks_team_wait(T, &next);
         if (__atomic_load_n(&T->stop, __ATOMIC_ACQUIRE))
             return NULL;
-        seen = __atomic_load_n(&T->pass, __ATOMIC_ACQUIRE);
-        T->fn(T, tid, seen);
+        seen = __atomic_load_n(&T->now, __ATOMIC_ACQUIRE);
+        T->fn(T, tid, (uint32_t)(seen >> 32));
     }
 }
 
@@ -287,7 +318,8 @@ static void ks_team_run(ks_team *T, const void *job)
         __atomic_store_n(&T->phases[p].next, (uint64_t)pass << 32, __ATOMIC_RELAXED);
         __atomic_store_n(&T->phases[p].done, 0, __ATOMIC_RELEASE);
     }
-    __atomic_store_n(&T->pass, pass, __ATOMIC_SEQ_CST);
+    T->pass = pass;
+    __atomic_store_n(&T->now, (uint64_t)pass << 32, __ATOMIC_SEQ_CST);
     ks_team_publish(T);
     T->fn(T, 0, pass);
 }

@@ -187,6 +187,23 @@ def quantized_activations(rng, n, k):
     return xq, xd
 
 
+def assert_product_of_every_path(out, want, mag, w, qtype, xq, xd, label: str) -> None:
+    """A weight type's product `out` (2 threads) within 1e-5 of sum|terms| of the float64
+    `want`, and bit for bit what the plain C twin and one thread give."""
+    n, m = out.shape
+    err = np.abs(out - want)
+    print(f"{label} [{K.simd_path()}]: max |diff| {err.max():.3e}, max |diff|/sum|terms| "
+          f"{(err / np.maximum(mag, 1e-30)).max():.3e}")
+    assert np.all(err <= 1e-5 * mag + 1e-30)
+    plain = np.full((n, m), np.nan, np.float32)
+    K.matmul_plain(w, int(qtype), xq, xd, plain, 1)
+    assert np.array_equal(out.view(np.uint32), plain.view(np.uint32)), \
+        f"SIMD ({K.simd_path()}) and plain differ in {np.sum(out != plain)} places"
+    one = np.full((n, m), np.nan, np.float32)
+    K.matmul(w, int(qtype), xq, xd, one, 1)
+    assert np.array_equal(out.view(np.uint32), one.view(np.uint32))
+
+
 def test_matmul_reads_read_only_weights_and_rejects_bad_shapes():
     rng = np.random.default_rng(5)
     w, wq, wd = make_q8_weights(rng, 8, 64)

@@ -40,7 +40,7 @@ from kestreld.engine.kvcache import KVCache
 from kestreld.model.config import ModelConfig
 from kestreld.model.weights import LayerWeights, Matrix, ModelWeights, MoEWeights
 from metrics import margin_top1_agreement, rel_rms_error
-from test_kernels import quantized_activations
+from test_kernels import assert_product_of_every_path, quantized_activations
 
 K_TYPES = kquant_blocks.K_TYPES
 
@@ -84,18 +84,8 @@ def test_matmul_against_float64_and_plain_twin(qtype, n, m, k, vnni):
     wf = dequantized(w, qtype).astype(np.float64)
     xf = (xq.reshape(n, -1, 32) * xd[:, :, None].astype(np.float64)).reshape(n, k)
     want, mag = xf @ wf.T, np.abs(xf) @ np.abs(wf).T
-    err = np.abs(out - want)
-    print(f"{qtype.name} n={n} m={m} k={k} [{K.simd_path()}, VNNI switch {vnni}]: max "
-          f"|diff|/sum|terms| {(err / np.maximum(mag, 1e-30)).max():.2e}")
-    assert np.all(err <= 1e-5 * mag + 1e-30)
-
-    plain = np.full((n, m), np.nan, np.float32)
-    K.matmul_plain(w, int(qtype), xq, xd, plain, 1)
-    assert np.array_equal(out.view(np.uint32), plain.view(np.uint32)), \
-        f"SIMD ({K.simd_path()}) and plain results differ in {np.sum(out != plain)} places"
-    one = np.full((n, m), np.nan, np.float32)
-    K.matmul(w, int(qtype), xq, xd, one, 1)
-    assert np.array_equal(out.view(np.uint32), one.view(np.uint32))
+    assert_product_of_every_path(out, want, mag, w, qtype, xq, xd,
+                                 f"{qtype.name} n={n} m={m} k={k}, VNNI switch {vnni}")
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)

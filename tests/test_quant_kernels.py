@@ -31,7 +31,7 @@ from kestreld.engine.generate import Engine
 from kestreld.model.gguf_file import TENSOR_NAMES, GGUFFile
 from kestreld.model.load import load_model
 from metrics import assert_logits_agree, rel_rms_error
-from test_kernels import quantized_activations
+from test_kernels import assert_product_of_every_path, quantized_activations
 
 QK = 32
 TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0)
@@ -103,19 +103,8 @@ def test_matmul_against_float64_and_plain_twin(qtype, source, n, m, k, vnni):
     out = np.full((n, m), np.nan, np.float32)
     K.matmul(w, int(qtype), xq, xd, out, 2)
     want, mag = ref_matmul(w, qtype, xq, xd)
-    err = np.abs(out - want)
-    print(f"{qtype.name} {source} n={n} m={m} k={k} [{K.simd_path()}, VNNI {vnni}]: "
-          f"max |diff| {err.max():.3e}, max |diff|/sum|terms| "
-          f"{(err / np.maximum(mag, 1e-30)).max():.3e}")
-    assert np.all(err <= 1e-5 * mag + 1e-30)
-
-    plain = np.full((n, m), np.nan, np.float32)
-    K.matmul_plain(w, int(qtype), xq, xd, plain, 1)
-    assert np.array_equal(out.view(np.uint32), plain.view(np.uint32)), \
-        f"SIMD ({K.simd_path()}) and plain differ in {np.sum(out != plain)} places"
-    one = np.full((n, m), np.nan, np.float32)
-    K.matmul(w, int(qtype), xq, xd, one, 1)
-    assert np.array_equal(out.view(np.uint32), one.view(np.uint32))
+    assert_product_of_every_path(out, want, mag, w, qtype, xq, xd,
+                                 f"{qtype.name} {source} n={n} m={m} k={k}, VNNI {vnni}")
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)

@@ -3,7 +3,9 @@
 Any thread takes any work item, and a thread the kernel has descheduled rejoins late; the
 results must not change by a bit. More threads than cores (here: up to 5 on this machine's
 cores), and spinning processes beside them, make descheduled and late threads the normal
-case, so every pass below goes through those paths many times.
+case, so every pass below goes through those paths many times. (Under qemu, as arm64, an
+earlier team whose late threads could count items of a phase the others had left hung here
+with every thread asleep.)
 """
 from __future__ import annotations
 
