@@ -295,7 +295,8 @@ def parse_args(argv=None):
                    help="Kestrel prefill chunk (default: the engine's)")
     p.add_argument("--no-startup", action="store_true", help="skip the start-up / RSS probes")
     p.add_argument("--cases", default="",
-                   help="only the cases whose name contains this text (e.g. decode)")
+                   help="only the cases whose name contains one of these comma-separated texts "
+                        "(e.g. decode, or 'prefill 512,@ 16')")
     p.add_argument("--probe", choices=["kestrel", "llama.cpp"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--n-batch", type=int, help=argparse.SUPPRESS)
@@ -313,9 +314,10 @@ def main(argv=None) -> int:
     if args.probe:
         probe(args.probe, args.model, args, args.n_batch)
         return 0
-    cases = [c for c in (QUICK_CASES if args.quick else FULL_CASES) if args.cases in c.name]
+    wanted = args.cases.split(",")
+    cases = [c for c in (QUICK_CASES if args.quick else FULL_CASES) if any(w in c.name for w in wanted)]
     if not cases:
-        print(f"no case name contains {args.cases!r}", file=sys.stderr)
+        print(f"no case name contains any of {args.cases!r}", file=sys.stderr)
         return 2
     # llama.cpp takes each prompt in one batch, as big as the largest prompt.
     n_batch = max(c.prompt_len for c in cases)
