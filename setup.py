@@ -15,6 +15,7 @@ Build switches (environment):
   KESTREL_ANNOTATE=1  write pyx/*.html annotation reports
   KESTREL_CFLAGS="…"  extra compiler flags
 """
+import glob
 import os
 import sysconfig
 
@@ -57,6 +58,7 @@ def kernels(name: str, arch_flags: list) -> list:
     ext = Extension(
         f"kestreld.{name}",
         ["pyx/_kernels.pyx"],
+        depends=sorted(glob.glob("pyx/*.h")),      # a changed kernel header rebuilds
         include_dirs=["pyx", np.get_include()],
         extra_compile_args=cflags + arch_flags + extra,
         extra_link_args=["-fopenmp"],

@@ -33,6 +33,7 @@
 #include <time.h>
 #if defined(__linux__)
 #  include <linux/futex.h>
+#  include <sys/prctl.h>
 #  include <sys/syscall.h>
 #  include <unistd.h>
 #else
@@ -249,6 +250,9 @@ static void *ks_worker_main(void *arg)
     const int tid = ((ks_worker *)arg)->tid;
     uint64_t seen = 0;
     free(arg);
+#if defined(__linux__)
+    prctl(PR_SET_NAME, "kestrel-forward", 0, 0, 0);     /* as top -H and /proc show it */
+#endif
     for (;;) {
         const ks_wait_for next = {seen, 1};
         ks_team_wait(T, &next);

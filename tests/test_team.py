@@ -79,17 +79,37 @@ def test_same_bits_whatever_the_threads_and_their_schedule(zoo, moe_path, model)
         assert gen == want_gen, label
 
 
+def _team_threads() -> int:
+    """This process's threads named as the team's workers name themselves."""
+    n = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                n += f.read().strip() == "kestrel-forward"
+        except FileNotFoundError:       # a thread (of anything) that just ended
+            pass
+    return n
+
+
+def _until(predicate, timeout: float = 5.0) -> bool:
+    """A thread names itself once it runs: wait for that, briefly."""
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
 def test_teams_start_and_stop_their_threads(zoo):
     loaded = load_model(str(zoo.get("qwen3_untied").gguf["q8_0"]))
-    before = len(os.listdir("/proc/self/task"))
+    before = _team_threads()
     engine = Engine(loaded, max_seq=64, threads=4)
     assert engine.forward.working_threads == 0            # no pass yet
-    assert len(os.listdir("/proc/self/task")) == before + 3
+    assert _until(lambda: _team_threads() == before + 3), _team_threads()
     engine.generate([1, 2, 3], SamplingOptions(max_tokens=2, ignore_eos=True))
     del engine
     for _ in range(20):
         Engine(loaded, max_seq=64, threads=3).generate([4, 5], SamplingOptions(max_tokens=2))
-    assert len(os.listdir("/proc/self/task")) == before
+    assert _team_threads() == before
 
 
 def test_sharing_line_names_the_cores_and_the_load():
