@@ -60,8 +60,7 @@ typedef struct ks_team {
     pthread_t *workers;
     ks_team_fn fn;                /* what a pass runs, on every thread */
     const void *job;              /* its arguments, read by fn */
-    uint32_t pass;                /* the current pass (0: none yet) */
-    uint64_t now;                 /* pass << 32 | the phase the team is in */
+    uint64_t now;                 /* pass << 32 | the phase the team is in (pass 0: none yet) */
     uint32_t seq;                 /* futex word: bumped whenever something is published */
     uint32_t sleepers;            /* threads asleep on seq */
     int stop;
@@ -314,7 +313,7 @@ static void ks_team_free(ks_team *T)
  * every phase is done. Only one thread may call this, one pass at a time. */
 static void ks_team_run(ks_team *T, const void *job)
 {
-    uint32_t pass = T->pass + 1;
+    uint32_t pass = (uint32_t)(__atomic_load_n(&T->now, __ATOMIC_RELAXED) >> 32) + 1;
     if (pass == 0)
         pass = 1;
     T->job = job;
@@ -322,7 +321,6 @@ static void ks_team_run(ks_team *T, const void *job)
         __atomic_store_n(&T->phases[p].next, (uint64_t)pass << 32, __ATOMIC_RELAXED);
         __atomic_store_n(&T->phases[p].done, 0, __ATOMIC_RELEASE);
     }
-    T->pass = pass;
     __atomic_store_n(&T->now, (uint64_t)pass << 32, __ATOMIC_SEQ_CST);
     ks_team_publish(T);
     T->fn(T, 0, pass);
