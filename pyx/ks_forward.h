@@ -18,11 +18,13 @@
  * Each step above is a phase of work items that any thread of the team takes (per token:
  * the residual add and the norm; row runs of the products; (token, head) pairs; attention's
  * key ranges or token tiles), so the threads that get to run do the work of one the kernel
- * has descheduled (9 phases a dense layer in decode). Every value is computed by the same
- * operations in the same order whatever n, the chunking, the thread count and which thread
- * takes which item, except attention's reduction over keys (split into ranges in decode,
- * tiled by tokens in prefill), so the KV and logits of a token do not depend on how its
- * prompt was cut into chunks beyond float rounding in attention.
+ * has descheduled. One token's residual step is the tail of the phase before it, done by
+ * the thread that finishes that phase, and a decode step's q/k/v items are whole heads with
+ * their norm, RoPE and KV store: a dense layer is 6 phases in decode. Every value is
+ * computed by the same operations in the same order whatever n, the chunking, the thread
+ * count and which thread takes which item, except attention's reduction over keys (split
+ * into ranges in decode, tiled by tokens in prefill), so the KV and logits of a token do not
+ * depend on how its prompt was cut into chunks beyond float rounding in attention.
  */
 #ifndef KS_FORWARD_H
 #define KS_FORWARD_H
@@ -197,9 +199,10 @@ static inline void ks_rows_item(const ks_matrix *w, int e, int per, int it, cons
 }
 
 /* A phase of the products of one activation (n rows) by every matrix of ws (up to 3, into
- * outs), their row runs one item space. */
-static inline int ks_phase_matmuls(ks_walk *w, const ks_matrix *const *ws, float *const *outs,
-                                   int nw, const int8_t *xq, const float *xd, int n, int nthreads)
+ * outs), their row runs one item space. Like every phase helper below, it leaves its (last)
+ * phase open: the caller ends it, after any tail (ks_residual_step). */
+static inline void ks_phase_matmuls(ks_walk *w, const ks_matrix *const *ws, float *const *outs,
+                                    int nw, const int8_t *xq, const float *xd, int n, int nthreads)
 {
     int per[3], first[4] = {0};
     for (int i = 0; i < nw; i++) {
@@ -212,7 +215,6 @@ static inline int ks_phase_matmuls(ks_walk *w, const ks_matrix *const *ws, float
             i++;
         ks_rows_item(ws[i], 0, per[i], it - first[i], xq, xd, n, outs[i]);
     }
-    return ks_phase_end(w);
 }
 
 /* Rows [b*32, b*32 + 32) of a SwiGLU pair for n activation rows: gate and up rows, then
@@ -258,8 +260,45 @@ static inline void ks_ffn_add_row(const ks_model *M, const ks_layer *L, int li,
                 ks_add_scaled(x, B->deep + ((int64_t)li * B->n_vis + r) * H, 1.0f, H);
 }
 
-/* Item (t, h) of the heads phase: q/k norm and RoPE of head h of token t; a K head's and
- * its V's rows into the arena. */
+/* Row i of the residual step before a sublayer of layer li: before the attention (part 0),
+ * x += layer li - 1's feed-forward output (li > 0), then the attention norm; before the
+ * feed-forward (part 1), x += the attention output, then the feed-forward norm; li ==
+ * n_layers: the output norm, of row first + i into row i (the rows whose logits are made). */
+static inline void ks_residual_row(const ks_model *M, const ks_scratch *S, const ks_batch *B,
+                                   int li, int part, int first, int i)
+{
+    const int t = first + i;
+    if (part == 1) {
+        ks_add_scaled(S->x + (int64_t)t * M->hidden, S->proj + (int64_t)t * M->hidden, 1.0f, M->hidden);
+        ks_norm_row(M, S, t, t, M->layers[li].ffn_norm);
+        return;
+    }
+    if (li > 0)
+        ks_ffn_add_row(M, &M->layers[li - 1], li - 1, S, B, t);
+    ks_norm_row(M, S, t, i, li < M->n_layers ? M->layers[li].attn_norm : M->out_norm);
+}
+
+/* The residual step (ks_residual_row) of rows 0 .. count - 1 after the phase just done. One
+ * row is that phase's tail, done by the thread that finished it before the team moves on (a
+ * decode step's two per layer cost no hand-over); more rows make a phase of their own. The
+ * walk is left in an open phase; 0 if the pass is over. */
+static inline int ks_residual_step(ks_walk *w, const ks_model *M, const ks_scratch *S,
+                                   const ks_batch *B, int li, int part, int first, int count)
+{
+    if (count == 1) {
+        if (ks_phase_last(w))
+            ks_residual_row(M, S, B, li, part, first, 0);
+        return 1;
+    }
+    if (!ks_phase_end(w))
+        return 0;
+    KS_EACH_ITEM(w, count, i)
+        ks_residual_row(M, S, B, li, part, first, i);
+    return 1;
+}
+
+/* Item (t, h) of the heads phase, h < n_heads + 2 n_kv: q/k norm and RoPE of query head h,
+ * or of K head h - n_heads and its rows into the arena, or V head h - n_heads - n_kv's. */
 static inline void ks_head_item(const ks_model *M, const ks_layer *L, const ks_kv *kv, int li,
                                 const ks_scratch *S, const ks_batch *B, int t, int h)
 {
@@ -272,14 +311,43 @@ static inline void ks_head_item(const ks_model *M, const ks_layer *L, const ks_k
         ks_rope_row(qh, ct, st, hd, M->neox);
         return;
     }
-    const int g = h - nh;
+    const int g = (h - nh) % nkv;
+    const int64_t row = (int64_t)li * nkv * kv->max_seq + (int64_t)g * kv->max_seq + B->pos0 + t;
+    if (h >= nh + nkv) {
+        kv->v_s[row] = ks_quantize_head(S->v + ((int64_t)t * nkv + g) * hd, kv->v_q + row * hd, hd);
+        return;
+    }
     float *kh = S->k + ((int64_t)t * nkv + g) * hd;
     if (L->k_norm)
         ks_rmsnorm_row(kh, L->k_norm, M->eps, kh, hd);
     ks_rope_row(kh, ct, st, hd, M->neox);
-    const int64_t row = (int64_t)li * nkv * kv->max_seq + (int64_t)g * kv->max_seq + B->pos0 + t;
     kv->k_s[row] = ks_quantize_head(kh, kv->k_q + row * hd, hd);
-    kv->v_s[row] = ks_quantize_head(S->v + ((int64_t)t * nkv + g) * hd, kv->v_q + row * hd, hd);
+}
+
+/* The phases from the normed rows to the arena: the q, k, v products, then the heads items.
+ * One token: one phase, of a head's rows each (its product, then its head item). */
+static inline int ks_phases_qkv(ks_walk *w, const ks_model *M, const ks_layer *L,
+                                 const ks_kv *kv, int li, const ks_scratch *S, const ks_batch *B)
+{
+    const int n = B->n, hd = M->hd, nh = M->n_heads, per_t = nh + 2 * M->n_kv;
+    if (n == 1) {
+        KS_EACH_ITEM(w, per_t, h) {
+            const ks_matrix *m = h < nh ? &L->wq : h < nh + M->n_kv ? &L->wk : &L->wv;
+            float *out = h < nh ? S->q : h < nh + M->n_kv ? S->k : S->v;
+            const int r0 = (h < nh ? h : (h - nh) % M->n_kv) * hd;
+            ks_matrix_rows(m, 0, S->xq, S->xd, 1, out, r0, r0 + hd);
+            ks_head_item(M, L, kv, li, S, B, 0, h);
+        }
+        return 1;
+    }
+    const ks_matrix *qkv[3] = {&L->wq, &L->wk, &L->wv};
+    float *qkv_out[3] = {S->q, S->k, S->v};
+    ks_phase_matmuls(w, qkv, qkv_out, 3, S->xq, S->xd, n, S->nthreads);
+    if (!ks_phase_end(w))
+        return 0;
+    KS_EACH_ITEM(w, n * per_t, it)
+        ks_head_item(M, L, kv, li, S, B, it / per_t, it % per_t);
+    return 1;
 }
 
 /* The attention phases of layer li: the chunk's queries over KV rows 0 .. pos0 + t, into
@@ -307,7 +375,7 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
             ks_attn_decode_merge(S->attn_parts, S->att, nh, nkv, hd, n_split, h);
             ks_quantize_row_q8_0(S->att + h * hd, S->sq + h * hd, S->sd + h * (hd / KS_QK), hd);
         }
-        return ks_phase_end(w);
+        return 1;
     }
     const int n_tiles = (n + KS_ATTN_TOKENS - 1) / KS_ATTN_TOKENS;
     KS_EACH_ITEM(w, n_tiles * nkv, it) {
@@ -321,16 +389,16 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
                 ks_quantize_row_q8_0(S->att + o, S->sq + o, S->sd + o / KS_QK, hd);
             }
     }
-    return ks_phase_end(w);
+    return 1;
 }
 
 #define KS_ROUTER_EXPERTS 16    /* router rows per work item */
 
 /* The MoE phases of layer L over the normed rows (xn and its Q8_0): the router (token,
- * 16 experts) items; one item that picks every token's top-k, groups the (token, slot)
- * pairs by expert and gathers each pair's activation row; per chosen expert the gate/up/
- * swiglu and the down products of its tokens into S->ey. `routing`: NULL or (n, n_used)
- * where the choices are copied. The weighted sum is added by the next norm phase. */
+ * 16 experts) items, whose tail picks every token's top-k, groups the (token, slot) pairs by
+ * expert and gathers each pair's activation row; per chosen expert the gate/up/swiglu and
+ * the down products of its tokens into S->ey. `routing`: NULL or (n, n_used) where the
+ * choices are copied. The weighted sum is added by the next residual step. */
 static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L,
                                 ks_scratch *S, int n, int32_t *routing)
 {
@@ -343,9 +411,7 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
         for (int e = e0; e < e1; e++)
             S->probs[(int64_t)t * E + e] = ks_dot_f32(S->xn + (int64_t)t * H, router + (int64_t)e * H, H);
     }
-    if (!ks_phase_end(w))
-        return 0;
-    KS_EACH_ITEM(w, 1, it) {
+    if (ks_phase_last(w)) {
         for (int t = 0; t < n; t++)
             ks_moe_select(S->probs + (int64_t)t * E, E, M->norm_topk, S->top_idx + t * k,
                           S->top_w + t * k, k);
@@ -378,7 +444,7 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
         ks_matrix_rows(&L->down, e, S->ehq + (int64_t)a * F, S->ehd + (int64_t)a * (F / KS_QK),
                        c, S->ey + (int64_t)a * H, r0, r1);
     }
-    return ks_phase_end(w);
+    return 1;
 }
 
 /* The dense feed-forward phases: gate/up/swiglu/Q8_0 by 32-row blocks (into sq, sd), then
@@ -393,13 +459,16 @@ static inline int ks_phases_mlp(ks_walk *w, const ks_model *M, const ks_layer *L
         return 0;
     const ks_matrix *down = &L->down;
     float *proj = S->proj;
-    return ks_phase_matmuls(w, &down, &proj, 1, S->sq, S->sd, n, S->nthreads);
+    ks_phase_matmuls(w, &down, &proj, 1, S->sq, S->sd, n, S->nthreads);
+    return 1;
 }
 
 /* ---- the pass ----------------------------------------------------------------------------- */
 
-/* Phases a pass over a model of n_layers layers may have. */
-static inline int ks_forward_phases(int n_layers) { return 1 + 11 * n_layers + 2; }
+/* Phases a pass over a model of n_layers layers may have: the embeddings, per layer at most
+ * 10 (the attention's residual step, q/k/v, heads, attention 2, wo, the feed-forward's
+ * residual step, MoE 3), then the output's residual step and product. */
+static inline int ks_forward_phases(int n_layers) { return 1 + 10 * n_layers + 2; }
 
 /* What a pass reads: the team's job. */
 typedef struct {
@@ -409,6 +478,19 @@ typedef struct {
     const ks_batch *B;
 } ks_forward_job;
 
+/* Row t of x from its token's embedding row, or a visual token's input row. */
+static inline void ks_embed_row(const ks_model *M, const ks_scratch *S, const ks_batch *B, int t)
+{
+    const int H = M->hidden;
+    int r = B->n_vis - 1;
+    while (r >= 0 && B->vis_rows[r] != t)
+        r--;
+    if (r >= 0)
+        memcpy(S->x + (int64_t)t * H, B->vis_embd + (int64_t)r * H, sizeof(float) * H);
+    else
+        ks_matrix_dequant_row(&M->tok_embd, 0, B->tokens[t], S->x + (int64_t)t * H);
+}
+
 /* One thread's walk through the pass (ks_team_fn). */
 static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
 {
@@ -416,49 +498,29 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
     const ks_model *M = J->M;
     ks_scratch *S = J->S;
     const ks_batch *B = J->B;
-    const int H = M->hidden, n = B->n, nthreads = S->nthreads;
+    const int n = B->n, nthreads = S->nthreads;
     float *scratch = S->attn_scratch + tid * S->attn_floats;
-    ks_walk walk = {T, pass, 0, tid, 0, 0, 0, 0}, *w = &walk;
+    ks_walk walk = {T, pass, 0, tid, 0, 0, 0, 0, 0}, *w = &walk;
     int moe_layer = 0;
 
-    KS_EACH_ITEM(w, n, t) {
-        int r = B->n_vis - 1;
-        while (r >= 0 && B->vis_rows[r] != t)
-            r--;
-        if (r >= 0)
-            memcpy(S->x + (int64_t)t * H, B->vis_embd + (int64_t)r * H, sizeof(float) * H);
-        else
-            ks_matrix_dequant_row(&M->tok_embd, 0, B->tokens[t], S->x + (int64_t)t * H);
+    KS_EACH_ITEM(w, n, t) {      /* with layer 0's residual step (its attention norm) */
+        ks_embed_row(M, S, B, t);
+        ks_residual_row(M, S, B, 0, 0, 0, t);
     }
-    if (!ks_phase_end(w))
-        goto late;
     for (int li = 0; li < M->n_layers; li++) {
         const ks_layer *L = &M->layers[li];
-        KS_EACH_ITEM(w, n, t) {
-            if (li > 0)
-                ks_ffn_add_row(M, L - 1, li - 1, S, B, t);
-            ks_norm_row(M, S, t, t, L->attn_norm);
-        }
-        if (!ks_phase_end(w))
+        if (li > 0 && !ks_residual_step(w, M, S, B, li, 0, 0, n))
             goto late;
-        const ks_matrix *qkv[3] = {&L->wq, &L->wk, &L->wv};
-        float *qkv_out[3] = {S->q, S->k, S->v};
-        if (!ks_phase_matmuls(w, qkv, qkv_out, 3, S->xq, S->xd, n, nthreads))
+        if (!ks_phase_end(w) || !ks_phases_qkv(w, M, L, J->kv, li, S, B))
             goto late;
-        const int per_t = M->n_heads + M->n_kv;
-        KS_EACH_ITEM(w, n * per_t, it)
-            ks_head_item(M, L, J->kv, li, S, B, it / per_t, it % per_t);
         if (!ks_phase_end(w) || !ks_phases_attention(w, M, J->kv, li, S, B, scratch))
+            goto late;
+        if (!ks_phase_end(w))
             goto late;
         const ks_matrix *wo = &L->wo;
         float *proj = S->proj;
-        if (!ks_phase_matmuls(w, &wo, &proj, 1, S->sq, S->sd, n, nthreads))
-            goto late;
-        KS_EACH_ITEM(w, n, t) {
-            ks_add_scaled(S->x + (int64_t)t * H, S->proj + (int64_t)t * H, 1.0f, H);
-            ks_norm_row(M, S, t, t, L->ffn_norm);
-        }
-        if (!ks_phase_end(w))
+        ks_phase_matmuls(w, &wo, &proj, 1, S->sq, S->sd, n, nthreads);
+        if (!ks_residual_step(w, M, S, B, li, 1, 0, n) || !ks_phase_end(w))
             goto late;
         if (L->router.data) {
             int32_t *routing = B->routing ? B->routing + (int64_t)moe_layer * n * M->n_used : NULL;
@@ -471,15 +533,12 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
     }
     /* logits of every token, or of the last one only */
     const int first = B->all_logits ? 0 : n - 1, m = n - first;
-    KS_EACH_ITEM(w, m, i) {
-        ks_ffn_add_row(M, &M->layers[M->n_layers - 1], M->n_layers - 1, S, B, first + i);
-        ks_norm_row(M, S, first + i, i, M->out_norm);
-    }
-    if (!ks_phase_end(w))
+    if (!ks_residual_step(w, M, S, B, M->n_layers, 0, first, m) || !ks_phase_end(w))
         goto late;
     const ks_matrix *out = &M->output;
     float *logits = B->logits;
     ks_phase_matmuls(w, &out, &logits, 1, S->xq, S->xd, m, nthreads);
+    ks_phase_end(w);
 late:
     __atomic_store_n(&T->items[tid], w->taken, __ATOMIC_RELAXED);
 }

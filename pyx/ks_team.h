@@ -159,6 +159,7 @@ typedef struct {
     int tid;
     uint32_t taken;   /* items this thread took in this pass */
     int first, next, end;   /* the run of items claimed last: first .. end - 1, next to do */
+    int last;         /* this thread counted the phase's last item: it closes the phase */
 } ks_walk;
 
 static inline uint64_t ks_walk_now(const ks_walk *w)
@@ -186,7 +187,8 @@ static inline void ks_phase_close(ks_walk *w)
  * are claimed in runs that shrink as the phase empties (a quarter of what is left per
  * thread, down to one), so a phase costs a few claims per thread while its last items still
  * spread over all of them; a run's items are counted done when the thread comes back for
- * more, and the thread that counts the last one closes the phase. (While a thread holds
+ * more, and the thread that counts the last one (of an empty phase: the first to look) is
+ * the phase's last (ks_phase_last), which closes it in ks_phase_end. (While a thread holds
  * uncounted items the phase stays open, so its count is the phase's own.) */
 static inline int ks_claim(ks_walk *w, int items)
 {
@@ -195,19 +197,22 @@ static inline int ks_claim(ks_walk *w, int items)
     ks_phase *ph = &w->team->phases[w->phase];
     if (w->end > w->first) {
         if ((int)__atomic_add_fetch(&ph->done, (uint32_t)(w->end - w->first), __ATOMIC_SEQ_CST) == items)
-            ks_phase_close(w);
+            w->last = 1;
         w->first = w->end;
     }
-    if (items <= 0) {
-        if (items == 0)
-            ks_phase_close(w);      /* an empty phase: nobody else would */
+    if (items < 0)
         return -1;
-    }
     uint64_t v = __atomic_load_n(&ph->next, __ATOMIC_ACQUIRE);
     for (;;) {
         const int claimed = (int)(uint32_t)v;
-        if ((uint32_t)(v >> 32) != w->pass || claimed >= items)
+        if ((uint32_t)(v >> 32) != w->pass || claimed > items || (claimed == items && items > 0))
             return -1;
+        if (items == 0) {    /* an empty phase: one thread takes its closing */
+            if (__atomic_compare_exchange_n(&ph->next, &v, v + 1, 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_ACQUIRE))
+                w->last = 1;
+            return -1;
+        }
         int run = (items - claimed) / (4 * w->team->nthreads);
         run = run < 1 ? 1 : run;
         if (__atomic_compare_exchange_n(&ph->next, &v, v + (uint64_t)run, 1, __ATOMIC_ACQ_REL,
@@ -221,11 +226,21 @@ static inline int ks_claim(ks_walk *w, int items)
     }
 }
 
-/* Ends the walk's current phase: waits until the team has left it; 1 then (the walk moves
- * to the next phase: a late thread finds it closed too and passes through), 0 if the pass
- * is over. */
+/* Whether this thread finished the current phase's last item (its KS_EACH_ITEM loop is
+ * over): then what must follow the whole phase and is too small for a phase of its own (one
+ * token's residual add and norm) is this thread's to do, before its ks_phase_end lets the
+ * team on; the others wait for it as they would at a phase of one item, minus a hand-over. */
+static inline int ks_phase_last(const ks_walk *w) { return w->last; }
+
+/* Ends the walk's current phase: closes it if this thread is its last, and waits until the
+ * team has left it; 1 then (the walk moves to the next phase: a late thread finds it closed
+ * too and passes through), 0 if the pass is over. */
 static inline int ks_phase_end(ks_walk *w)
 {
+    if (w->last) {
+        w->last = 0;
+        ks_phase_close(w);
+    }
     const ks_wait_for f = {ks_walk_now(w), 0};
     ks_team_wait(w->team, &f);
     if ((__atomic_load_n(&w->team->now, __ATOMIC_ACQUIRE) >> 32) != w->pass)
