@@ -205,14 +205,16 @@ static inline int ks_claim(ks_walk *w, int items)
     uint64_t v = __atomic_load_n(&ph->next, __ATOMIC_ACQUIRE);
     for (;;) {
         const int claimed = (int)(uint32_t)v;
-        if ((uint32_t)(v >> 32) != w->pass || claimed > items || (claimed == items && items > 0))
+        if ((uint32_t)(v >> 32) != w->pass)
             return -1;
-        if (items == 0) {    /* an empty phase: one thread takes its closing */
-            if (__atomic_compare_exchange_n(&ph->next, &v, v + 1, 0, __ATOMIC_ACQ_REL,
-                                            __ATOMIC_ACQUIRE))
+        if (items == 0) {    /* an empty phase: the one thread whose claim lands closes it */
+            if (claimed == 0 && __atomic_compare_exchange_n(&ph->next, &v, v + 1, 0,
+                                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
                 w->last = 1;
             return -1;
         }
+        if (claimed >= items)
+            return -1;
         int run = (items - claimed) / (4 * w->team->nthreads);
         run = run < 1 ? 1 : run;
         if (__atomic_compare_exchange_n(&ph->next, &v, v + (uint64_t)run, 1, __ATOMIC_ACQ_REL,
