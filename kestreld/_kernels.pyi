@@ -72,7 +72,16 @@ def moe_group(top_idx: np.ndarray, counts: np.ndarray, offsets: np.ndarray, rows
 def moe_combine(y: np.ndarray, slot_pos: np.ndarray, top_w: np.ndarray, out: np.ndarray,
                 nthreads: int) -> None: ...
 
-# ---- the vision encoder's float kernels (vision.pxi, ks_vision.h) ---------------------------
+# ---- the vision encoder (vision.pxi, ks_vision.h) -------------------------------------------
+
+class VisionBlocks:
+    def __init__(self, blocks: list, n_heads: int, eps: float, deepstack: tuple) -> None:
+        """blocks: kestreld.vision.encoder.VisionBlock, in order; deepstack: the indices of
+        the blocks whose outputs are DeepStack features."""
+    def run(self, x: np.ndarray, rope_cos: np.ndarray, rope_sin: np.ndarray, deep: np.ndarray,
+            nthreads: int) -> None:
+        """x (n, hidden) in place: every block; deep (len(deepstack), n, hidden) out;
+        rope_cos/sin (n, hd/2)."""
 
 def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.ndarray,
               nthreads: int) -> None: ...

@@ -1,8 +1,9 @@
 # cython: language_level=3
 # (boundscheck, wraparound, initializedcheck, cdivision: set by setup.py, on under KESTREL_DEBUG=1)
 """Kestrel's compute kernels: `Forward` (the whole forward pass of a chunk of tokens, every
-layer in one C call), and the per-op kernels it is made of, for the tests and the vision
-encoder: the weight x activation product of each weight type, norms, RoPE, SwiGLU, int8 KV
+layer in one C call), `VisionBlocks` (every block of a vision tower over one image in one C
+call), and the per-op kernels they are made of, for the tests and the vision encoder's
+mergers: the weight x activation product of each weight type, norms, RoPE, SwiGLU, int8 KV
 store, attention, MoE routing, and the vision encoder's LayerNorm, GELU and full attention.
 
 Every function takes C-contiguous numpy arrays (float = float32), checks their shapes and

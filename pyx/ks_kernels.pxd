@@ -141,3 +141,32 @@ cdef extern from "ks_vision.h" nogil:
     int64_t ks_vattn_scratch_floats(int hd)
     void ks_vattn_item(const float *q, const float *k, const float *v, float *out, int n,
                        int heads, int hd, float scale, int h, int t0, int t1, float *scratch)
+    ctypedef struct ks_vblock:
+        const float *norm1_w
+        const float *norm1_b
+        const float *norm2_w
+        const float *norm2_b
+        ks_matrix qkv, proj, fc1, fc2
+        const float *qkv_b
+        const float *proj_b
+        const float *fc1_b
+        const float *fc2_b
+    ctypedef struct ks_vtower:
+        int depth, hidden, n_heads, ffn
+        float eps, scale
+        const ks_vblock *blocks
+        int n_deep
+        const int32_t *deep_after
+    ctypedef struct ks_vpass:
+        int n, nthreads
+        float *x
+        const float *rope_cos
+        const float *rope_sin
+        float *deep
+    ctypedef struct ks_vision_job:
+        const ks_vtower *V
+        ks_vpass *P
+    int64_t ks_vpass_layout(ks_vpass *P, char *base, const ks_vtower *V, int n, int nthreads)
+    int ks_vision_phases(int depth)
+    void ks_vision_walk(ks_team *T, int tid, uint32_t pass_)
+    void ks_vision_blocks(ks_team *T, const ks_vision_job *job)

@@ -39,12 +39,13 @@ def ref_quantize_q8_0(x):
     return q.astype(np.int8).reshape(n, k), d.astype(np.float32)
 
 
-def make_q8_weights(rng, m, k, special_scales=False):
-    """Random GGUF Q8_0 rows: (bytes (m, k/32*34), q int8 (m, k), d f32 (m, k/32)).
-    q covers the full int8 range, -128 included; special_scales adds fp16 subnormals and 0."""
+def make_q8_weights(rng, m, k, special_scales=False, scale=0.01):
+    """Random GGUF Q8_0 rows: (bytes (m, k/32*34), q int8 (m, k), d f32 (m, k/32)), block
+    scales in scale * [0.5, 2). q covers the full int8 range, -128 included; special_scales
+    adds fp16 subnormals and 0."""
     nb = k // QK
     q = rng.integers(-128, 128, size=(m, k), dtype=np.int8)
-    d16 = (rng.uniform(0.5, 2.0, size=(m, nb)) * 0.01).astype(np.float16)
+    d16 = (rng.uniform(0.5, 2.0, size=(m, nb)) * scale).astype(np.float16)
     if special_scales:
         flat = d16.reshape(-1)
         flat[::7] = np.float16(3e-6)       # subnormal in fp16
@@ -668,6 +669,143 @@ def test_full_attention_rejects_bad_arguments():
         K.full_attention(q, q, q, 1.0, np.zeros((3, 2, 16), np.float32), 1)
     with pytest.raises(ValueError, match="nthreads"):
         K.full_attention(q, q, q, 1.0, q.copy(), 0)
+
+
+def random_vision_blocks(rng, depth, H, ffn):
+    """VisionBlocks of random Q8_0 linears (outputs of about unit scale) and norms, and the
+    float64 weights they hold: [(VisionBlock, {name: float64 (rows, cols)})]."""
+    from kestreld.model.weights import Matrix, QType
+    from kestreld.vision.encoder import VisionBlock
+
+    def linear(rows, cols):
+        data, q, d = make_q8_weights(rng, rows, cols, scale=1 / (64 * np.sqrt(cols)))
+        w64 = (q.reshape(rows, -1, QK).astype(np.float64) * d[:, :, None]).reshape(rows, cols)
+        return Matrix(data, QType.Q8_0, rows, cols), w64
+
+    def vec(n, lo, hi):
+        return rng.uniform(lo, hi, n).astype(np.float32)
+
+    out = []
+    for _ in range(depth):
+        (qkv, wqkv), (proj, wproj) = linear(3 * H, H), linear(H, H)
+        (fc1, wfc1), (fc2, wfc2) = linear(ffn, H), linear(H, ffn)
+        out.append((VisionBlock(norm1_w=vec(H, 0.5, 1.5), norm1_b=vec(H, -0.2, 0.2), qkv=qkv,
+                                qkv_b=vec(3 * H, -0.2, 0.2), proj=proj, proj_b=vec(H, -0.2, 0.2),
+                                norm2_w=vec(H, 0.5, 1.5), norm2_b=vec(H, -0.2, 0.2), fc1=fc1,
+                                fc1_b=vec(ffn, -0.2, 0.2), fc2=fc2, fc2_b=vec(H, -0.2, 0.2)),
+                    dict(qkv=wqkv, proj=wproj, fc1=wfc1, fc2=wfc2)))
+    return out
+
+
+def ref_vision_blocks(blocks, x, cos, sin, n_heads, eps, deepstack, quantized):
+    """float64 of the vision blocks: (x out, [x after block j]). quantized: each linear's
+    input rounded to Q8_0 first (ref_quantize_q8_0), as the kernels' product takes it."""
+    n, H = x.shape
+    hd = H // n_heads
+    x, deep = x.astype(np.float64), {}
+
+    def act(a):
+        if not quantized:
+            return a
+        q, d = ref_quantize_q8_0(a.astype(np.float32))
+        return (q.reshape(a.shape[0], -1, QK).astype(np.float64) * d[:, :, None]).reshape(a.shape)
+
+    for i, (b, w) in enumerate(blocks):
+        qkv = act(ref_layernorm(x, b.norm1_w, b.norm1_b, eps)) @ w["qkv"].T + b.qkv_b
+        qkv = qkv.reshape(n, 3, n_heads, hd)
+        q, k = (ref_rope(qkv[:, j], cos, sin, 0, True) for j in (0, 1))
+        att = ref_full_attention(q, k, qkv[:, 2], hd ** -0.5).reshape(n, H)
+        x = x + act(att) @ w["proj"].T + b.proj_b
+        h = ref_gelu(act(ref_layernorm(x, b.norm2_w, b.norm2_b, eps)) @ w["fc1"].T + b.fc1_b, False)
+        x = x + act(h) @ w["fc2"].T + b.fc2_b
+        deep[i] = x
+    return x, [deep[i] for i in deepstack]
+
+
+def rms_rel(got, want):
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+def per_op_vision_blocks(blocks, x, cos, sin, n_heads, eps, deepstack):
+    """The same blocks through the per-op kernels, one call each (the encoder's Python loop
+    before VisionBlocks): VisionBlocks must give these exact bits."""
+    n, H = x.shape
+    hd, x, deep = H // n_heads, x.copy(), {}
+
+    def linear(m, bias, a):
+        xq, xd = np.empty(a.shape, np.int8), np.empty((a.shape[0], a.shape[1] // QK), np.float32)
+        K.quantize_q8_0(a, xq, xd, 2)
+        out = np.empty((a.shape[0], m.rows), np.float32)
+        K.matmul(m.data, int(m.qtype), xq, xd, out, 2)
+        out += bias
+        return out
+
+    xn = np.empty_like(x)
+    for i, (b, _) in enumerate(blocks):
+        K.layernorm(x, b.norm1_w, b.norm1_b, eps, xn, 2)
+        qkv = linear(b.qkv, b.qkv_b, xn).reshape(n, 3, n_heads, hd)
+        q, k, v = (np.ascontiguousarray(qkv[:, j]) for j in range(3))
+        K.rope(q, cos, sin, 0, True, 2)
+        K.rope(k, cos, sin, 0, True, 2)
+        att = np.empty_like(q)
+        K.full_attention(q, k, v, hd ** -0.5, att, 2)
+        x += linear(b.proj, b.proj_b, att.reshape(n, H))
+        K.layernorm(x, b.norm2_w, b.norm2_b, eps, xn, 2)
+        h = linear(b.fc1, b.fc1_b, xn)
+        K.gelu_tanh(h, h, 2)
+        x += linear(b.fc2, b.fc2_b, h)
+        deep[i] = x.copy()
+    return x, [deep[i] for i in deepstack]
+
+
+@pytest.mark.parametrize("n,H,n_heads,ffn", [(12, 64, 2, 128), (70, 128, 4, 96)])
+def test_vision_blocks_against_float64_and_the_per_op_kernels(n, H, n_heads, ffn):
+    """All blocks in one call: float64 to float rounding where its activations are rounded to
+    Q8_0 as the product's are, within that rounding's error of float64 on exact activations,
+    and the exact bits of the per-op kernels called one by one, whatever the thread count;
+    DeepStack outputs taken after the named blocks (given out of order)."""
+    rng = np.random.default_rng(n)
+    blocks, deepstack, eps = random_vision_blocks(rng, 3, H, ffn), (2, 0), 1e-6
+    x0 = rng.standard_normal((n, H)).astype(np.float32)
+    ang = rng.uniform(0, 20, (n, H // n_heads // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    run = K.VisionBlocks([b for b, _ in blocks], n_heads, eps, deepstack)
+    outs = []
+    for nthreads in (1, 2, 3):
+        x, deep = x0.copy(), np.full((2, n, H), np.nan, np.float32)
+        run.run(x, cos, sin, deep, nthreads)
+        outs.append((x, deep))
+    x, deep = outs[0]
+    for quantized, bound in ((True, 1e-5), (False, 0.05)):   # measured 1.4e-7..1.8e-7; 1.3-2.7%
+        want, want_deep = ref_vision_blocks(blocks, x0, cos, sin, n_heads, eps, deepstack, quantized)
+        for got, ref in zip((x, deep[0], deep[1]), (want, *want_deep)):
+            assert rms_rel(got, ref) < bound, (quantized, rms_rel(got, ref))
+    exact, exact_deep = per_op_vision_blocks(blocks, x0, cos, sin, n_heads, eps, deepstack)
+    for x, deep in outs:
+        np.testing.assert_array_equal(x, exact)
+        np.testing.assert_array_equal(deep, np.stack(exact_deep))
+
+
+def test_vision_blocks_reject_bad_arguments():
+    rng = np.random.default_rng(5)
+    blocks = [b for b, _ in random_vision_blocks(rng, 2, 64, 128)]
+    with pytest.raises(ValueError, match="DeepStack block 2 of 2"):
+        K.VisionBlocks(blocks, 2, 1e-6, (2,))
+    with pytest.raises(ValueError, match="heads"):
+        K.VisionBlocks(blocks, 3, 1e-6, ())
+    with pytest.raises(ValueError, match="vision block 1 fc1 must be"):
+        K.VisionBlocks([blocks[0], blocks[1].__class__(**{**blocks[1].__dict__, "fc1": blocks[0].qkv})],
+                       2, 1e-6, ())
+    run = K.VisionBlocks(blocks, 2, 1e-6, (0,))
+    x, cs = np.zeros((8, 64), np.float32), np.zeros((8, 16), np.float32)
+    with pytest.raises(ValueError, match="deep must be"):
+        run.run(x, cs, cs, np.zeros((2, 8, 64), np.float32), 1)
+    with pytest.raises(ValueError, match="rope tables"):
+        run.run(x, cs[:, :8].copy(), cs, np.zeros((1, 8, 64), np.float32), 1)
+    with pytest.raises(ValueError, match="x must be"):
+        run.run(np.zeros((8, 32), np.float32), cs, cs, np.zeros((1, 8, 64), np.float32), 1)
+    with pytest.raises(ValueError, match="nthreads"):
+        run.run(x, cs, cs, np.zeros((1, 8, 64), np.float32), 0)
 
 
 def test_the_typed_stub_lists_the_compiled_module():

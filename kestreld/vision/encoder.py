@@ -12,23 +12,22 @@ Data flow for one image of gh x gw patches (N = gh*gw, in merge-block order), wi
     merger(x): LN per patch, 4 patches (a merge block) -> one row (N/4, 4H) -> fc1, GELU,
       fc2 -> (N/4, out_hidden);  DeepStack mergers: the same with LN over the 4H row
 
-What runs where (the kernels on `threads` OpenMP threads):
-  - the block linears (qkv, proj, fc1, fc2: the bulk of the work): the Q8_0 matmul kernel;
-  - LayerNorm, GELU (tanh in the blocks, erf in the mergers), 2-D RoPE and the bidirectional
-    attention (online softmax over key blocks, no N x N scores): float32 C kernels (K);
-  - the patch embedding and the mergers' linears: float32 numpy BLAS. They are under a tenth
-    of the FLOPs (2B: 20 of 260 GMAC per image) and set the embeddings the language model
-    sees; on Q8_0 the mergers took 40% more of the error margin (tests' model: embeddings
-    cosine to transformers 0.99983 -> 0.99976, DeepStack 0.99995 -> 0.99988).
-Every per-image array (residual stream, activations, Q8_0 scratch) is allocated once per
-`encode` call and reused by all blocks; only the returned embeddings are new arrays.
+What runs where (on `threads` threads):
+  - the blocks: one C call for all of them (K.VisionBlocks, pyx/ks_vision.h), their linears
+    (the bulk of the work) on the weight-type kernels of the language model, LayerNorm, GELU
+    (tanh), 2-D RoPE and the bidirectional attention (online softmax over key blocks, no
+    N x N scores) in float32 C;
+  - the patch embedding and the mergers: float32 numpy BLAS, with the C LayerNorm and GELU
+    (erf). They are under a tenth of the FLOPs (2B: 20 of 260 GMAC per image) and set the
+    embeddings the language model sees; on Q8_0 the mergers took 40% more of the error
+    margin (tests' model: embeddings cosine to transformers 0.99983 -> 0.99976, DeepStack
+    0.99995 -> 0.99988).
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
@@ -62,62 +61,37 @@ class VisionConfig:
 
 
 class Linear:
-    """y = x @ W.T + b, W (out, in): a quantized Matrix on the kernels' product, or a float32
-    array on numpy's BLAS (the patch embedding and the mergers, see the module docstring)."""
+    """y = x @ W.T + b on numpy's BLAS, W (out, in) float32 (the patch embedding and the
+    mergers, see the module docstring)."""
 
-    def __init__(self, w: Union[Matrix, np.ndarray], b: np.ndarray):
+    def __init__(self, w: np.ndarray, b: np.ndarray):
         self.b = np.ascontiguousarray(b, np.float32)
-        self.matrix = w if isinstance(w, Matrix) else None
-        self.rows, self.cols = (w.rows, w.cols) if self.matrix is not None else w.shape
-        self.wt = None if self.matrix is not None else np.ascontiguousarray(w.T, np.float32)
+        self.rows, self.cols = w.shape
+        self.wt = np.ascontiguousarray(w.T, np.float32)
 
-    def __call__(self, x: np.ndarray, out: np.ndarray, scratch: _Scratch, threads: int) -> np.ndarray:
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out (n, rows) = x (n, cols) @ W.T + b; returns out."""
-        if self.matrix is None:
-            np.matmul(x, self.wt, out=out)
-        else:
-            xq, xd = scratch.q8_rows(x.shape[0], self.cols)
-            K.quantize_q8_0(x, xq, xd, threads)
-            K.matmul(self.matrix.data, int(self.matrix.qtype), xq, xd, out, threads)
+        np.matmul(x, self.wt, out=out)
         out += self.b
         return out
 
 
 @dataclass(frozen=True)
 class VisionBlock:
-    """One block of the vision tower: pre-norm attention and MLP, LayerNorms with bias."""
+    """One block of the vision tower: pre-norm attention and MLP, LayerNorms and linears with
+    bias; the linears' weights (out, in) in a type the kernels compute on."""
     norm1_w: np.ndarray           # (hidden,) f32
     norm1_b: np.ndarray
-    qkv: Linear                   # (3*hidden, hidden): q, k, v stacked as rows
-    proj: Linear                  # (hidden, hidden)
+    qkv: Matrix                   # (3*hidden, hidden): q, k, v stacked as rows
+    qkv_b: np.ndarray             # (3*hidden,) f32
+    proj: Matrix                  # (hidden, hidden)
+    proj_b: np.ndarray
     norm2_w: np.ndarray
     norm2_b: np.ndarray
-    fc1: Linear                   # (ffn, hidden)
-    fc2: Linear                   # (hidden, ffn)
-
-
-class _Scratch:
-    """The arrays of one encode call (n patches), reused by every block and merger."""
-
-    def __init__(self, c: VisionConfig, n: int):
-        H, hd, m2 = c.hidden, c.hidden // c.n_heads, c.merge * c.merge
-        f32 = lambda *shape: np.empty(shape, np.float32)  # noqa: E731
-        self.x = f32(n, H)                   # the residual stream
-        self.xn = f32(n, H)                  # LayerNorm output
-        self.y = f32(n, H)                   # proj / fc2 output, added to x
-        self.qkv = f32(n, 3 * H)
-        self.q, self.k, self.v, self.att = (f32(n, c.n_heads, hd) for _ in range(4))
-        self.ffn = f32(n, c.ffn)
-        self.merge_in = f32(n // m2, H * m2)     # a merger's normed input, 4 patches a row
-        self.merge_mid = f32(n // m2, H * m2)
-        widest = max(H, c.ffn)
-        self._xq = np.empty(n * widest, np.int8)
-        self._xd = np.empty(n * widest // Q8_BLOCK, np.float32)
-
-    def q8_rows(self, n: int, cols: int):
-        """Views (n, cols) int8 and (n, cols / Q8_BLOCK) float32 for Q8_0 activations."""
-        return (self._xq[:n * cols].reshape(n, cols),
-                self._xd[:n * cols // Q8_BLOCK].reshape(n, cols // Q8_BLOCK))
+    fc1: Matrix                   # (ffn, hidden)
+    fc1_b: np.ndarray
+    fc2: Matrix                   # (hidden, ffn)
+    fc2_b: np.ndarray
 
 
 class _Merger:
@@ -133,15 +107,16 @@ class _Merger:
         self.fc2 = Linear(get(prefix + "linear_fc2.weight", (c.out_hidden, wide)),
                            get(prefix + "linear_fc2.bias", (c.out_hidden,)))
 
-    def __call__(self, x: np.ndarray, s: _Scratch, threads: int) -> np.ndarray:
+    def __call__(self, x: np.ndarray, threads: int) -> np.ndarray:
         """(n / merge^2, out_hidden) embeddings of x (n, hidden), a new array."""
+        normed = np.empty((x.shape[0] * x.shape[1] // self.wide, self.wide), np.float32)
         if self.postshuffle:
-            K.layernorm(x.reshape(-1, self.wide), self.norm_w, self.norm_b, LN_EPS, s.merge_in, threads)
+            K.layernorm(x.reshape(-1, self.wide), self.norm_w, self.norm_b, LN_EPS, normed, threads)
         else:
-            K.layernorm(x, self.norm_w, self.norm_b, LN_EPS, s.merge_in.reshape(x.shape), threads)
-        h = self.fc1(s.merge_in, s.merge_mid, s, threads)
+            K.layernorm(x, self.norm_w, self.norm_b, LN_EPS, normed.reshape(x.shape), threads)
+        h = self.fc1(normed, np.empty_like(normed))
         K.gelu_erf(h, h, threads)
-        return self.fc2(h, np.empty((h.shape[0], self.fc2.rows), np.float32), s, threads)
+        return self.fc2(h, np.empty((h.shape[0], self.fc2.rows), np.float32))
 
 
 class VisionEncoder:
@@ -157,8 +132,8 @@ class VisionEncoder:
             def get_q8(name, shape):
                 return Matrix(float_to_q8_0(get(name, shape)), QType.Q8_0, *shape)
 
-        def block_linear(name, rows, cols):
-            return Linear(get_q8(name + ".weight", (rows, cols)), get(name + ".bias", (rows,)))
+        def f32(name, shape):
+            return np.ascontiguousarray(get(name, shape), np.float32)
 
         conv = get(VISUAL + "patch_embed.proj.weight", (H, 3, c.temporal_patch, p, p))
         # The processor repeats the frame over the temporal taps: sum them once here.
@@ -169,13 +144,18 @@ class VisionEncoder:
         for i in range(c.depth):
             b = f"{VISUAL}blocks.{i}."
             self.blocks.append(VisionBlock(
-                norm1_w=get(b + "norm1.weight", (H,)), norm1_b=get(b + "norm1.bias", (H,)),
-                qkv=block_linear(b + "attn.qkv", 3 * H, H),
-                proj=block_linear(b + "attn.proj", H, H),
-                norm2_w=get(b + "norm2.weight", (H,)), norm2_b=get(b + "norm2.bias", (H,)),
-                fc1=block_linear(b + "mlp.linear_fc1", c.ffn, H),
-                fc2=block_linear(b + "mlp.linear_fc2", H, c.ffn),
+                norm1_w=f32(b + "norm1.weight", (H,)), norm1_b=f32(b + "norm1.bias", (H,)),
+                qkv=get_q8(b + "attn.qkv.weight", (3 * H, H)),
+                qkv_b=f32(b + "attn.qkv.bias", (3 * H,)),
+                proj=get_q8(b + "attn.proj.weight", (H, H)),
+                proj_b=f32(b + "attn.proj.bias", (H,)),
+                norm2_w=f32(b + "norm2.weight", (H,)), norm2_b=f32(b + "norm2.bias", (H,)),
+                fc1=get_q8(b + "mlp.linear_fc1.weight", (c.ffn, H)),
+                fc1_b=f32(b + "mlp.linear_fc1.bias", (c.ffn,)),
+                fc2=get_q8(b + "mlp.linear_fc2.weight", (H, c.ffn)),
+                fc2_b=f32(b + "mlp.linear_fc2.bias", (H,)),
             ))
+        self.run_blocks = K.VisionBlocks(self.blocks, c.n_heads, LN_EPS, c.deepstack)
         self.merger = _Merger(get, VISUAL + "merger.", c, postshuffle=False)
         self.deepstack_mergers = [_Merger(get, f"{VISUAL}deepstack_merger_list.{j}.", c, True)
                                   for j in range(len(c.deepstack))]
@@ -218,39 +198,20 @@ class VisionEncoder:
                 np.ascontiguousarray(np.sin(ang), np.float32))
 
     # ---- the encoder ------------------------------------------------------------
-    def _attention(self, s: _Scratch, blk: VisionBlock, cos, sin, threads: int) -> None:
-        """s.y = the attention half of a block on s.xn (LayerNorm1 of the residual)."""
-        n, nh, hd = s.x.shape[0], self.cfg.n_heads, self.head_dim
-        qkv = blk.qkv(s.xn, s.qkv, s, threads).reshape(n, 3, nh, hd)
-        for i, dst in enumerate((s.q, s.k, s.v)):   # the kernels take contiguous heads
-            np.copyto(dst, qkv[:, i])
-        K.rope(s.q, cos, sin, 0, True, threads)
-        K.rope(s.k, cos, sin, 0, True, threads)
-        K.full_attention(s.q, s.k, s.v, hd ** -0.5, s.att, threads)
-        blk.proj(s.att.reshape(n, nh * hd), s.y, s, threads)
-
     def encode(self, img: PreparedImage, threads: int):
         """(embeds (n_tok, out_hidden), [deepstack_j (n_tok, out_hidden)]) of one image,
         n_tok = gh*gw / merge^2, rows in the order of its placeholder tokens."""
-        gh, gw = img.grid_h, img.grid_w
+        c, gh, gw = self.cfg, img.grid_h, img.grid_w
         rows, cols = self._block_order_rows_cols(gh, gw)
-        s = _Scratch(self.cfg, gh * gw)
-        x = self.patch_embed(img.patches, s.x, s, threads)
+        x = self.patch_embed(img.patches, np.empty((gh * gw, c.hidden), np.float32))
         x += self._pos_embed(rows, cols, gh, gw)
         cos, sin = self._rope_tables(rows.astype(np.float32), cols.astype(np.float32))
-        deepstack = []
-        for i, blk in enumerate(self.blocks):
-            K.layernorm(x, blk.norm1_w, blk.norm1_b, LN_EPS, s.xn, threads)
-            self._attention(s, blk, cos, sin, threads)
-            x += s.y
-            K.layernorm(x, blk.norm2_w, blk.norm2_b, LN_EPS, s.xn, threads)
-            h = blk.fc1(s.xn, s.ffn, s, threads)
-            K.gelu_tanh(h, h, threads)
-            x += blk.fc2(h, s.y, s, threads)
-            if i in self.cfg.deepstack:
-                j = self.cfg.deepstack.index(i)
-                deepstack.append(self.deepstack_mergers[j](x, s, threads))
-        return self.merger(x, s, threads), deepstack
+        deep = np.empty((len(c.deepstack), gh * gw, c.hidden), np.float32)
+        self.run_blocks.run(x, cos, sin, deep, threads)
+        ds = c.deepstack        # the features in block order, as transformers makes them
+        return (self.merger(x, threads),
+                [self.deepstack_mergers[ds.index(i)](deep[ds.index(i)], threads)
+                 for i in sorted(set(ds))])
 
 
 def load_vision(source) -> VisionEncoder:
