@@ -10,7 +10,10 @@ and one fewer), each engine loads the same GGUF once; then, repetition after rep
 the conditions (quiet, 1 busy, 2 busy) and the engines alternate. Cases: decode at context
 depth 16 and 4000 (the context is prefilled while the machine is quiet: Kestrel's request
 reuses it through its prefix cache, llama.cpp continues its own context), and a cold
-prefill of 512 tokens. Reported: the median tok/s and the fraction of the quiet speed kept.
+prefill of 512 tokens. Reported: the median tok/s, the fraction of the quiet speed kept,
+and the cores the engine's process got meanwhile (its CPU time over the wall time: both
+engines run in this process, one at a time), which says how much of the loss is the share
+the scheduler gave and how much is work lost in the engine.
 """
 from __future__ import annotations
 
@@ -78,16 +81,20 @@ def cases(args) -> list:
             for d in args.depths] + [(f"prefill {args.prefill}", "prefill", args.prefill, 0)]
 
 
-def measure(runner, case, rng) -> float:
-    """tok/s of one run of case on runner, the busy processes already running."""
+def measure(runner, case, rng) -> tuple:
+    """(tok/s, cores used) of one run of case on runner, the busy processes already running."""
     _, kind, tokens, _ = case
+    cpu0, wall0 = os.times(), time.perf_counter()
     if kind == "prefill":
-        return tokens / runner.prefill(random_prompt(rng, tokens, runner.vocab))
-    return (tokens - 1) / runner.decode_prepared(tokens)
+        tps = tokens / runner.prefill(random_prompt(rng, tokens, runner.vocab))
+    else:
+        tps = (tokens - 1) / runner.decode_prepared(tokens)
+    cpu1, wall = os.times(), time.perf_counter() - wall0
+    return tps, (cpu1.user - cpu0.user + cpu1.system - cpu0.system) / wall
 
 
 def bench(path: str, threads: int, args, have_llamacpp: bool) -> dict:
-    """{case: {condition: {engine: [tok/s]}}} at one thread count."""
+    """{case: {condition: {engine: [(tok/s, cores)]}}} at one thread count."""
     n_batch = max(args.prefill, max(args.depths))
     runners = [KestrelDecode(path, threads, args.max_seq)]
     if have_llamacpp:
@@ -107,25 +114,32 @@ def bench(path: str, threads: int, args, have_llamacpp: bool) -> dict:
                     if case[1] == "decode":
                         r.prepare(random_prompt(rng, case[3], r.vocab))
                     with busy(n_busy):
-                        tps = measure(r, case, rng)
-                    out[case[0]][cond][r.name].append(tps)
+                        tps, cores = measure(r, case, rng)
+                    out[case[0]][cond][r.name].append((tps, cores))
                     print(f"  threads {threads} rep {rep + 1}/{args.reps} {cond:7s} {case[0]:18s} "
-                          f"{r.name:9s} {tps:8.1f} tok/s", file=sys.stderr, flush=True)
+                          f"{r.name:9s} {tps:8.1f} tok/s {cores:5.2f} cores", file=sys.stderr,
+                          flush=True)
     return out
 
 
+def medians(runs: list) -> tuple:
+    """(median tok/s, median cores) of [(tok/s, cores)]."""
+    return median([t for t, _ in runs]), median([c for _, c in runs])
+
+
 def table(results: dict) -> str:
-    """Markdown: tok/s per condition and the fraction of quiet kept, both engines."""
-    rows = ["| model | threads | case | engine | quiet tok/s | 1 busy tok/s (kept) "
-            "| 2 busy tok/s (kept) |", "|---|---:|---|---|---:|---:|---:|"]
+    """Markdown: median tok/s per condition, the fraction of quiet kept and the median cores
+    the process got, both engines."""
+    rows = ["| model | threads | case | engine | quiet tok/s (cores) | 1 busy tok/s (kept, cores) "
+            "| 2 busy tok/s (kept, cores) |", "|---|---:|---|---|---:|---:|---:|"]
     for (model, threads), by_case in results.items():
         for case, by_cond in by_case.items():
             for engine in by_cond["quiet"]:
-                quiet = median(by_cond["quiet"][engine])
-                cells = [fmt(quiet)]
+                quiet, quiet_cores = medians(by_cond["quiet"][engine])
+                cells = [f"{fmt(quiet)} ({quiet_cores:.2f})"]
                 for cond in ("1 busy", "2 busy"):
-                    v = median(by_cond[cond][engine])
-                    cells.append(f"{fmt(v)} ({fmt(100 * v / quiet, 0)}%)")
+                    v, cores = medians(by_cond[cond][engine])
+                    cells.append(f"{fmt(v)} ({fmt(100 * v / quiet, 0)}%, {cores:.2f})")
                 rows.append(f"| {model} | {threads} | {case} | {engine} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

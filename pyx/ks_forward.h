@@ -122,6 +122,15 @@ static inline void *ks_carve(char *base, int64_t *off, int64_t n, int64_t size)
     return p;
 }
 
+/* The next rows x cols Q8_0 activation (int8 values, one scale per 32: rounded up, so a
+ * partial or empty row set still gets a scale's room) at base + *off, as ks_carve. */
+static inline void ks_carve_q8(char *base, int64_t *off, int64_t rows, int64_t cols, int8_t **q,
+                               float **d)
+{
+    *q = ks_carve(base, off, rows * cols, 1);
+    *d = ks_carve(base, off, rows * cols / KS_QK + 1, 4);
+}
+
 /* Lays out S over `base` (NULL: just measure; base must be 64-byte aligned) for chunks of up
  * to max_chunk tokens, nthreads threads and KV blocks of kv_bs; returns the bytes it takes. */
 static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, int max_chunk,
@@ -140,8 +149,7 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     S->attn_floats = dec > pre ? dec : pre;
     S->x = ks_carve(base, cur, T * H, 4);
     S->xn = ks_carve(base, cur, T * H, 4);
-    S->xd = ks_carve(base, cur, T * H / KS_QK, 4);
-    S->xq = ks_carve(base, cur, T * H, 1);
+    ks_carve_q8(base, cur, T, H, &S->xq, &S->xd);
     S->q = ks_carve(base, cur, T * q_dim, 4);
     S->k = ks_carve(base, cur, T * kv_dim, 4);
     S->v = ks_carve(base, cur, T * kv_dim, 4);
@@ -149,8 +157,7 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     S->proj = ks_carve(base, cur, T * H, 4);
     S->gate = ks_carve(base, cur, T * (M->ffn > 0 ? M->ffn : 1), 4);
     S->up = ks_carve(base, cur, T * (M->ffn > 0 ? M->ffn : 1), 4);
-    S->sq = ks_carve(base, cur, T * widest, 1);
-    S->sd = ks_carve(base, cur, T * widest / KS_QK + 1, 4);
+    ks_carve_q8(base, cur, T, widest, &S->sq, &S->sd);
     S->attn_scratch = ks_carve(base, cur, nthreads * S->attn_floats, 4);
     S->attn_parts = ks_carve(base, cur, (int64_t)M->n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats(G, M->hd), 4);
     S->probs = ks_carve(base, cur, T * E, 4);
@@ -162,13 +169,11 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     S->active = ks_carve(base, cur, E, 4);
     S->rows = ks_carve(base, cur, P, 4);
     if (M->n_exp > 0) {
-        S->gxq = ks_carve(base, cur, P * H, 1);
-        S->gxd = ks_carve(base, cur, P * H / KS_QK, 4);
+        ks_carve_q8(base, cur, P, H, &S->gxq, &S->gxd);
         S->egate = ks_carve(base, cur, P * F, 4);
         S->eup = ks_carve(base, cur, P * F, 4);
         S->ey = ks_carve(base, cur, P * H, 4);
-        S->ehq = ks_carve(base, cur, P * F, 1);
-        S->ehd = ks_carve(base, cur, P * F / KS_QK + 1, 4);
+        ks_carve_q8(base, cur, P, F, &S->ehq, &S->ehd);
     }
     return off;
 }

@@ -243,8 +243,7 @@ static int64_t ks_vpass_layout(ks_vpass *P, char *base, const ks_vtower *V, int 
     P->nthreads = nthreads;
     P->attn_floats = ks_vattn_scratch_floats(V->hidden / V->n_heads);
     P->xn = ks_carve(base, &off, N * H, 4);
-    P->xq = ks_carve(base, &off, N * H, 1);
-    P->xd = ks_carve(base, &off, N * H / KS_QK, 4);
+    ks_carve_q8(base, &off, N, H, &P->xq, &P->xd);
     P->qkv = ks_carve(base, &off, N * 3 * H, 4);
     P->q = ks_carve(base, &off, N * H, 4);
     P->k = ks_carve(base, &off, N * H, 4);
@@ -252,8 +251,7 @@ static int64_t ks_vpass_layout(ks_vpass *P, char *base, const ks_vtower *V, int 
     P->att = ks_carve(base, &off, N * H, 4);
     P->y = ks_carve(base, &off, N * H, 4);
     P->h = ks_carve(base, &off, N * F, 4);
-    P->hq = ks_carve(base, &off, N * F, 1);
-    P->hd = ks_carve(base, &off, N * F / KS_QK, 4);
+    ks_carve_q8(base, &off, N, F, &P->hq, &P->hd);
     P->attn_scratch = ks_carve(base, &off, (int64_t)nthreads * P->attn_floats, 4);
     return off;
 }
