@@ -16,11 +16,11 @@
  * Then rmsnorm, Q8_0, logits = Woutput . x (the last token's, or every token's).
  *
  * Each step above is a phase of work items that any thread of the team takes (per token:
- * the residual add and the norm; row runs of the products; (token, head) pairs; attention's
- * key ranges or token tiles), so the threads that get to run do the work of one the kernel
+ * the residual add and the norm; row runs of the products; q, k or v heads; attention's key
+ * ranges or token tiles), so the threads that get to run do the work of one the kernel
  * has descheduled. One token's residual step is the tail of the phase before it, done by
- * the thread that finishes that phase, and a decode step's q/k/v items are whole heads with
- * their norm, RoPE and KV store: a dense layer is 6 phases in decode. Every value is
+ * the thread that finishes that phase, and the q/k/v items are whole heads with their norm,
+ * RoPE and KV store: a dense layer is 6 phases in decode, 7 in prefill. Every value is
  * computed by the same operations in the same order whatever n, the chunking, the thread
  * count and which thread takes which item, except attention's reduction over keys (split
  * into ranges in decode, tiled by tokens in prefill), so the KV and logits of a token do not
@@ -302,8 +302,9 @@ static inline int ks_residual_step(ks_walk *w, const ks_model *M, const ks_scrat
     return 1;
 }
 
-/* Item (t, h) of the heads phase, h < n_heads + 2 n_kv: q/k norm and RoPE of query head h,
- * or of K head h - n_heads and its rows into the arena, or V head h - n_heads - n_kv's. */
+/* Token t's part of head item h < n_heads + 2 n_kv (ks_phase_qkv): q/k norm and RoPE of
+ * query head h, or of K head h - n_heads and its row into the arena, or V head
+ * h - n_heads - n_kv's row into the arena. */
 static inline void ks_head_item(const ks_model *M, const ks_layer *L, const ks_kv *kv, int li,
                                 const ks_scratch *S, const ks_batch *B, int t, int h)
 {
@@ -329,30 +330,21 @@ static inline void ks_head_item(const ks_model *M, const ks_layer *L, const ks_k
     kv->k_s[row] = ks_quantize_head(kh, kv->k_q + row * hd, hd);
 }
 
-/* The phases from the normed rows to the arena: the q, k, v products, then the heads items.
- * One token: one phase, of a head's rows each (its product, then its head item). */
-static inline int ks_phases_qkv(ks_walk *w, const ks_model *M, const ks_layer *L,
-                                 const ks_kv *kv, int li, const ks_scratch *S, const ks_batch *B)
+/* The phase from the normed rows to the arena: one item per head of q, k or v (n_heads +
+ * 2 n_kv), the head's rows of the product for every token of the chunk, then each token's
+ * ks_head_item, while those rows are in the cache of the thread that made them. */
+static inline void ks_phase_qkv(ks_walk *w, const ks_model *M, const ks_layer *L,
+                                const ks_kv *kv, int li, const ks_scratch *S, const ks_batch *B)
 {
-    const int n = B->n, hd = M->hd, nh = M->n_heads, per_t = nh + 2 * M->n_kv;
-    if (n == 1) {
-        KS_EACH_ITEM(w, per_t, h) {
-            const ks_matrix *m = h < nh ? &L->wq : h < nh + M->n_kv ? &L->wk : &L->wv;
-            float *out = h < nh ? S->q : h < nh + M->n_kv ? S->k : S->v;
-            const int r0 = (h < nh ? h : (h - nh) % M->n_kv) * hd;
-            ks_matrix_rows(m, 0, S->xq, S->xd, 1, out, r0, r0 + hd);
-            ks_head_item(M, L, kv, li, S, B, 0, h);
-        }
-        return 1;
+    const int n = B->n, hd = M->hd, nh = M->n_heads, nkv = M->n_kv;
+    KS_EACH_ITEM(w, nh + 2 * nkv, h) {
+        const ks_matrix *m = h < nh ? &L->wq : h < nh + nkv ? &L->wk : &L->wv;
+        float *out = h < nh ? S->q : h < nh + nkv ? S->k : S->v;
+        const int r0 = (h < nh ? h : (h - nh) % nkv) * hd;
+        ks_matrix_rows(m, 0, S->xq, S->xd, n, out, r0, r0 + hd);
+        for (int t = 0; t < n; t++)
+            ks_head_item(M, L, kv, li, S, B, t, h);
     }
-    const ks_matrix *qkv[3] = {&L->wq, &L->wk, &L->wv};
-    float *qkv_out[3] = {S->q, S->k, S->v};
-    ks_phase_matmuls(w, qkv, qkv_out, 3, S->xq, S->xd, n, S->nthreads);
-    if (!ks_phase_end(w))
-        return 0;
-    KS_EACH_ITEM(w, n * per_t, it)
-        ks_head_item(M, L, kv, li, S, B, it / per_t, it % per_t);
-    return 1;
 }
 
 /* The attention phases of layer li: the chunk's queries over KV rows 0 .. pos0 + t, into
@@ -471,9 +463,9 @@ static inline int ks_phases_mlp(ks_walk *w, const ks_model *M, const ks_layer *L
 /* ---- the pass ----------------------------------------------------------------------------- */
 
 /* Phases a pass over a model of n_layers layers may have: the embeddings, per layer at most
- * 10 (the attention's residual step, q/k/v, heads, attention 2, wo, the feed-forward's
- * residual step, MoE 3), then the output's residual step and product. */
-static inline int ks_forward_phases(int n_layers) { return 1 + 10 * n_layers + 2; }
+ * 9 (the attention's residual step, q/k/v, attention 2, wo, the feed-forward's residual
+ * step, MoE 3), then the output's residual step and product. */
+static inline int ks_forward_phases(int n_layers) { return 1 + 9 * n_layers + 2; }
 
 /* What a pass reads: the team's job. */
 typedef struct {
@@ -516,8 +508,9 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
         const ks_layer *L = &M->layers[li];
         if (li > 0 && !ks_residual_step(w, M, S, B, li, 0, 0, n))
             goto late;
-        if (!ks_phase_end(w) || !ks_phases_qkv(w, M, L, J->kv, li, S, B))
+        if (!ks_phase_end(w))
             goto late;
+        ks_phase_qkv(w, M, L, J->kv, li, S, B);
         if (!ks_phase_end(w) || !ks_phases_attention(w, M, J->kv, li, S, B, scratch))
             goto late;
         if (!ks_phase_end(w))
