@@ -10,7 +10,7 @@
 #define KS_VISION_H
 
 #include "ks_attention.h"
-#include "ks_forward.h"
+#include "ks_forward.h"      /* the team's phases, row runs and scratch carving it shares */
 
 #define KS_VATTN_KEYS 128           /* keys per online-softmax block */
 #define KS_VATTN_QUERIES 64         /* queries per work item: each key block is copied once
