@@ -138,6 +138,35 @@ KS_INLINE __m256i ks_hsum8x8_avx2(const __m256i p[8])
     return _mm256_add_epi32(_mm256_blend_epi32(u[0], u[1], 0xF0),
                             _mm256_permute2x128_si256(u[0], u[1], 0x21));
 }
+
+/* 8 x 8 dword transpose of 8 rows' 32-byte blocks r: c[2q] lane i = row i's dword q,
+ * c[2q + 1] lane i = its dword q + 4 (bytes 4q.. and 16 + 4q..). */
+KS_INLINE void ks_transpose8x8_epi32(const __m256i r[8], __m256i c[8])
+{
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 2; g++) {
+        u[4 * g + 0] = _mm256_unpacklo_epi64(t[4 * g + 0], t[4 * g + 2]);
+        u[4 * g + 1] = _mm256_unpackhi_epi64(t[4 * g + 0], t[4 * g + 2]);
+        u[4 * g + 2] = _mm256_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm256_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int q = 0; q < 4; q++) {
+        c[2 * q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+        c[2 * q + 1] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+    }
+}
+
+/* A token's 4-byte chunk at p in every dword lane. */
+KS_INLINE __m256i ks_bcast_chunk(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
 #else
 /* 4 int32 partial sums of w . x for one block (two 16-byte halves). */
 KS_INLINE int32x4_t ks_dot_block_neon(int8x16_t w0, int8x16_t w1, int8x16_t x0, int8x16_t x1)
@@ -276,13 +305,63 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
 #endif
 }
 
-KS_INLINE void ks_q8_store_tile(const int R, const int T, const float res[8], float *out,
+KS_INLINE void ks_q8_store_tile(const int R, const int T, const float *res, float *out,
                                 int m, int r, int rv, int t, int tv)
 {
     for (int j = 0; j < T && j < tv; j++)
         for (int i = 0; i < R && i < rv; i++)
             out[(int64_t)(t + j) * m + r + i] = res[j * R + i];
 }
+
+#if defined(KS_AVX2)
+#define KS_T8_TOKENS 4    /* tokens per transposed AVX2 prefill tile */
+
+/* The AVX2 prefill tile: 8 rows x 4 tokens, res[j * 8 + i] = out value of row i, token j;
+ * rows >= rv / tokens >= tv repeat the last valid one. As in the VNNI tile, the 8 rows'
+ * blocks are transposed as dwords once per block for all 4 tokens, so lane i of every
+ * product is row i and a block's 8 exact row sums need no horizontal adds (which take about
+ * half the work of a 4 x 2 tile). maddubs takes |w| unsigned and x with w's sign (x is
+ * never -128), so every pair sum fits int16. Same fma(isum, dw * dx, acc) per block. */
+KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
+                             const float *xd, int tv, int nb, float res[8 * KS_T8_TOKENS])
+{
+    enum { T = KS_T8_TOKENS };
+    const uint8_t *wp[8];
+    const int8_t *xp[8];
+    const float *dp[8];
+    ks_tile_inputs(8, T, w, w_stride, rv, x, xd, NULL, tv, nb, wp, xp, dp, NULL);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[T];
+    for (int j = 0; j < T; j++)
+        acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i r[8], c[8], a[8];
+        uint16_t h[8];
+        for (int i = 0; i < 8; i++) {
+            r[i] = _mm256_loadu_si256((const __m256i *)(wp[i] + b * KS_QBLOCK + 2));
+            h[i] = ks_load_u16le(wp[i] + b * KS_QBLOCK);
+        }
+        ks_transpose8x8_epi32(r, c);
+        for (int q = 0; q < 8; q++)
+            a[q] = _mm256_abs_epi8(c[q]);
+        const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
+            h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+        for (int j = 0; j < T; j++) {
+            const int8_t *xb = xp[j] + b * KS_QK;
+            __m256i s = _mm256_setzero_si256();
+            for (int q = 0; q < 8; q++) {
+                const __m256i xv = ks_bcast_chunk(xb + (q & 1) * 16 + (q >> 1) * 4);
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(a[q], _mm256_sign_epi8(xv, c[q])), ones));
+            }
+            const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dp[j][b]));
+            acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(s), d, acc[j]);
+        }
+    }
+    for (int j = 0; j < T; j++)
+        _mm256_storeu_ps(res + 8 * j, acc[j]);
+}
+#endif
 
 
 #if defined(KS_AVX2) && defined(__GNUC__)
@@ -317,14 +396,6 @@ static inline int ks_set_vnni(int on)
     return ks_vnni_state;
 }
 
-KS_VNNI_TARGET static inline __attribute__((always_inline))
-__m256i ks_bcast_chunk(const int8_t *p)
-{
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
 /* res[j * 8 + i] = out value of row i, token j; rows >= rv / tokens >= tv repeat the last valid
  * one. xs[t * nb + b] = -128 * (sum of token t's block b). */
 KS_VNNI_TARGET static inline __attribute__((always_inline))
@@ -349,28 +420,14 @@ void ks_q8_tile_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x
     for (int j = 0; j < T; j++)
         acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i r[8], t[8], u[8], c[8];
+        __m256i r[8], c[8];
         uint16_t h[8];
         for (int i = 0; i < 8; i++) {
             r[i] = _mm256_xor_si256(
                 _mm256_loadu_si256((const __m256i *)(wp[i] + b * KS_QBLOCK + 2)), flip);
             h[i] = ks_load_u16le(wp[i] + b * KS_QBLOCK);
         }
-        /* 8 x 8 dword transpose: c[q] lane i = row i's dword ch[q] (ch = 0 4 1 5 2 6 3 7) */
-        for (int i = 0; i < 4; i++) {
-            t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-        }
-        for (int g = 0; g < 2; g++) {
-            u[4 * g + 0] = _mm256_unpacklo_epi64(t[4 * g + 0], t[4 * g + 2]);
-            u[4 * g + 1] = _mm256_unpackhi_epi64(t[4 * g + 0], t[4 * g + 2]);
-            u[4 * g + 2] = _mm256_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-            u[4 * g + 3] = _mm256_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-        }
-        for (int q = 0; q < 4; q++) {
-            c[2 * q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);      /* dword q */
-            c[2 * q + 1] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);  /* dword q + 4 */
-        }
+        ks_transpose8x8_epi32(r, c);
         const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
             h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
         for (int j = 0; j < T; j++) {
@@ -447,15 +504,27 @@ static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *
         return;
     }
 #endif
+#if defined(KS_AVX2)
+    enum { R = 8, T = KS_T8_TOKENS };
+    float res_t[R * T];
+#else
+    enum { R = 4, T = 2 };
+    float *res_t = res;
+#endif
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
-        for (int r = r0; r < r1; r += 4) {
-            const int rv = r1 - r < 4 ? r1 - r : 4;
-            for (int t = tb; t < te; t += 2) {
-                const int tv = te - t < 2 ? te - t : 2;
-                ks_q8_tile(4, 2, w + (int64_t)r * w_stride, w_stride, rv,
-                           xq + (int64_t)t * k, xd + (int64_t)t * nb, tv, nb, res, NULL, 0);
-                ks_q8_store_tile(4, 2, res, out, m, r, rv, t, tv);
+        for (int r = r0; r < r1; r += R) {
+            const int rv = r1 - r < R ? r1 - r : R;
+            for (int t = tb; t < te; t += T) {
+                const int tv = te - t < T ? te - t : T;
+#if defined(KS_AVX2)
+                ks_q8_tile_t8(w + (int64_t)r * w_stride, w_stride, rv, xq + (int64_t)t * k,
+                              xd + (int64_t)t * nb, tv, nb, res_t);
+#else
+                ks_q8_tile(R, T, w + (int64_t)r * w_stride, w_stride, rv,
+                           xq + (int64_t)t * k, xd + (int64_t)t * nb, tv, nb, res_t, NULL, 0);
+#endif
+                ks_q8_store_tile(R, T, res_t, out, m, r, rv, t, tv);
             }
         }
     }
