@@ -185,7 +185,8 @@ static inline void ks_kq_matmul_rows_plain(const int kind, const uint8_t *w, int
 
 /* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ----
  * As in ks_q8.h: decode takes 8 x 1 tiles (and asks for the next tile's bytes while it
- * computes), prefill 4 x 2 tiles, so each weight block loaded and unpacked feeds 2 tokens.
+ * computes); NEON prefill takes 4 x 2 tiles, so each weight block loaded and unpacked feeds 2
+ * tokens (x86 prefill: the 8-row tiles of ks_kq_tile8.h).
  * The per-block scales of the 8 lanes are unpacked once per superblock. */
 #if defined(KS_HAVE_SIMD_MATMUL)
 
@@ -467,7 +468,8 @@ KS_INLINE void ks_kq_isum(const int kind, const int R, const int T, const uint8_
 
 #endif
 
-/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2. Rows
+/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or (NEON prefill)
+ * 4 x 2. Rows
  * >= rv / tokens >= tv repeat the last valid one (their lanes are computed and dropped).
  * xs: the tokens' block sums (ks_q8_block_sums; Q4_K, Q5_K). pf (or NULL): superblock sb
  * prefetches the pf_step bytes at pf + sb * pf_step, an eighth per block. */
@@ -532,136 +534,8 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
 #endif
 }
 
-#if defined(KS_HAVE_VNNI)
-/* ---- AVX512-VNNI (chosen at run time as ks_q8.h's prefill is): tiles of 8 rows x T tokens
- * (T = 1 decode, 4 prefill), lane i of every vector belonging to row i. The rows' 32 code
- * bytes of a block (or block pair) are transposed as 8 x 8 dwords, so that vpdpbusd with a
- * token's broadcast 4-byte chunk adds row i's chunk product into lane i: no horizontal adds,
- * and the codes are unsigned, as vpdpbusd wants them (Q6_K's -32 comes in as the sum's start,
- * -32 * the half-block's sum of x). The float side is the same per block, in order:
- * bit-identical. */
-#define KS_KQ_VNNI KS_VNNI_TARGET static inline __attribute__((always_inline))
-
-/* c[q] lane i = dword q of the 32 bytes at wp[i] + off */
-KS_KQ_VNNI void ks_kq_load8_vnni(const uint8_t *const wp[8], int64_t off, __m256i c[8])
-{
-    __m256i r[8], t[8], u[8];
-    for (int i = 0; i < 8; i++)
-        r[i] = _mm256_loadu_si256((const __m256i *)(wp[i] + off));
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int g = 0; g < 2; g++) {    /* rows 4g..4g+3: dwords q and q + 4 in the two halves */
-        u[4 * g + 0] = _mm256_unpacklo_epi64(t[4 * g + 0], t[4 * g + 2]);
-        u[4 * g + 1] = _mm256_unpackhi_epi64(t[4 * g + 0], t[4 * g + 2]);
-        u[4 * g + 2] = _mm256_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-        u[4 * g + 3] = _mm256_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-    }
-    for (int q = 0; q < 4; q++) {
-        c[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
-        c[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
-    }
-}
-
-/* acc + the products of codes[q] (lane i: row i's bytes 4q..4q+3) with x's chunk q, q0 <= q < q1 */
-KS_KQ_VNNI __m256i ks_kq_dot_vnni(__m256i acc, const __m256i codes[8], const int8_t *x, int q0,
-                                  int q1)
-{
-    for (int q = q0; q < q1; q++)
-        acc = _mm256_dpbusd_epi32(acc, codes[q], ks_bcast_chunk(x + 4 * q));
-    return acc;
-}
-
-/* res[j * 8 + i] = out value for row i, token j; rows >= rv / tokens >= tv repeat the last
- * valid one. xs: the tokens' block sums (Q4_K, Q5_K); xh[t * 2nb + 2b + h]: -32 * the sum of
- * half h of block b (Q6_K). pf: as in ks_kq_tile. */
-KS_KQ_VNNI void ks_kq_tile_vnni(const int kind, const int T, const uint8_t *w, int64_t w_stride,
-                                int rv, const int8_t *x, const float *xd, const float *xs,
-                                const int32_t *xh, int tv, int nsb, float *res,
-                                const uint8_t *pf, int64_t pf_step)
-{
-    const int bytes = ks_kq_bytes(kind);
-    ks_kq_tile_ptrs P;
-    ks_kq_tile_ptrs_of(8, T, w, w_stride, rv, x, xd, xs, xh, tv, nsb * 8, &P);
-    const uint8_t *const *wp = P.w;
-    const int8_t *const *xp = P.x;
-    const float *const *dp = P.xd, *const *sp = P.xs;
-    const int32_t *const *hp = P.xh;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[4];
-    for (int j = 0; j < T; j++)
-        acc[j] = _mm256_setzero_ps();
-    for (int sb = 0; sb < nsb; sb++) {
-        const int64_t off = (int64_t)sb * bytes;
-        ks_f8 ds[8], dm[8];
-        __m256i sc6[16], qh[8], c[3][8];
-        if (kind == KS_KQ_Q6K) {    /* d, and the 16 int8 scales as int32 lanes */
-            __m256i r[4];
-            ds[0] = ks_q6k_lane_scales(8, wp, off);
-            ks_transpose8x4_epi32(8, wp, off + 192, r);
-            for (int e = 0; e < 16; e++)
-                sc6[e] = _mm256_srai_epi32(_mm256_slli_epi32(r[e / 4], 24 - 8 * (e % 4)), 24);
-        } else {
-            ks_kq_lane_scales(8, wp, off, ds, dm);
-        }
-        if (kind == KS_KQ_Q5K)
-            ks_kq_load8_vnni(wp, off + 16, qh);
-#pragma GCC unroll 8
-        for (int s = 0; s < 8; s++) {
-            const int b = sb * 8 + s;
-            __m256i codes[8];
-            if (pf)
-                ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8);
-            if (kind == KS_KQ_Q6K) {
-                const int hf = s / 4, g = s % 4;
-                if (g == 0) {        /* the half's low bits (two groups of 32) and high bits */
-                    ks_kq_load8_vnni(wp, off + 64 * hf, c[0]);
-                    ks_kq_load8_vnni(wp, off + 64 * hf + 32, c[1]);
-                    ks_kq_load8_vnni(wp, off + 128 + 32 * hf, c[2]);
-                }
-                for (int q = 0; q < 8; q++) {   /* 32-bit shifts: no other byte's bit lands */
-                    const __m256i l = c[g & 1][q];
-                    const __m256i lo = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi32(l, 4), m4);
-                    const __m256i hi = g == 0 ? _mm256_slli_epi32(c[2][q], 4) : g == 1
-                                     ? _mm256_slli_epi32(c[2][q], 2) : g == 2 ? c[2][q]
-                                     : _mm256_srli_epi32(c[2][q], 2);
-                    codes[q] = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
-                }
-            } else {
-                const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
-                if (s % 2 == 0)
-                    ks_kq_load8_vnni(wp, off + qoff + 16 * s, c[0]);
-                for (int q = 0; q < 8; q++) {
-                    codes[q] = _mm256_and_si256(s & 1 ? _mm256_srli_epi32(c[0][q], 4) : c[0][q], m4);
-                    if (kind == KS_KQ_Q5K) {
-                        const __m256i hb = s < 4 ? _mm256_slli_epi32(qh[q], 4 - s)
-                                                 : _mm256_srli_epi32(qh[q], s - 4);
-                        codes[q] = _mm256_or_si256(codes[q], _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
-                    }
-                }
-            }
-            for (int j = 0; j < T; j++) {
-                const int8_t *xb = xp[j] + b * KS_QK;
-                const __m256 dx = _mm256_set1_ps(dp[j][b]);
-                if (kind == KS_KQ_Q6K) {
-                    const __m256i sa = ks_kq_dot_vnni(_mm256_set1_epi32(hp[j][2 * b]), codes, xb, 0, 4);
-                    const __m256i sbh = ks_kq_dot_vnni(_mm256_set1_epi32(hp[j][2 * b + 1]), codes, xb, 4, 8);
-                    const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sa, sc6[2 * s]),
-                                                          _mm256_mullo_epi32(sbh, sc6[2 * s + 1]));
-                    acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[0], dx), acc[j]);
-                } else {
-                    const __m256i isum = ks_kq_dot_vnni(_mm256_setzero_si256(), codes, xb, 0, 8);
-                    acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[s], dx), acc[j]);
-                    acc[j] = ks_fmadd_avx2(_mm256_set1_ps(sp[j][b]), _mm256_mul_ps(dm[s], dx), acc[j]);
-                }
-            }
-        }
-    }
-    for (int j = 0; j < T; j++)
-        _mm256_storeu_ps(res + 8 * j, acc[j]);
-}
-
+#if defined(KS_AVX2)
+/* ---- x86: 8-row tiles on transposed codes (ks_kq_tile8.h), AVX2 and VNNI ----------------- */
 /* -32 * the sum of each 16-value half block of x (nb blocks), for Q6_K's vpdpbusd sums */
 static inline void ks_q8_half_sums_x32(const int8_t *restrict x, int nb, int32_t *restrict xh)
 {
@@ -673,46 +547,25 @@ static inline void ks_q8_half_sums_x32(const int8_t *restrict x, int nb, int32_t
     }
 }
 
-/* ks_kq_matmul_rows on AVX512-VNNI CPUs: decode in 8 x 1 tiles (prefetching the next), prefill
- * in 8 x 4. */
-KS_KQ_VNNI void ks_kq_matmul_rows_vnni(const int kind, const uint8_t *w, int64_t w_stride,
-                                       const int8_t *xq, const float *xd, int n, int k,
-                                       float *out, int m, int r0, int r1)
-{
-    enum { T = KS_VNNI_TOKENS };
-    const int nb = k / KS_QK, nsb = k / KS_QK_K, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
-    const int q6 = kind == KS_KQ_Q6K;
-    float xs[q6 ? 1 : tblock * nb], res[8 * T];    /* the sums each type needs */
-    int32_t xh[q6 ? tblock * 2 * nb : 1];
-    for (int tb = 0; tb < n; tb += tblock) {
-        const int te = tb + tblock < n ? tb + tblock : n;
-        for (int t = tb; t < te; t++) {
-            if (kind == KS_KQ_Q6K)
-                ks_q8_half_sums_x32(xq + (int64_t)t * k, nb, xh + (t - tb) * 2 * nb);
-            else
-                ks_q8_block_sums(xq + (int64_t)t * k, nb, xs + (t - tb) * nb);
-        }
-        for (int r = r0; r < r1; r += 8) {
-            const int rv = r1 - r < 8 ? r1 - r : 8;
-            if (n == 1) {
-                const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
-                ks_kq_tile_vnni(kind, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
-                                q6 ? NULL : xs, q6 ? xh : NULL, 1, nsb, res, next,
-                                8 * w_stride / nsb);
-                ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
-                continue;
-            }
-            for (int t = tb; t < te; t += T) {
-                const int tv = te - t < T ? te - t : T;
-                ks_kq_tile_vnni(kind, T, w + (int64_t)r * w_stride, w_stride, rv,
-                                xq + (int64_t)t * k, xd + (int64_t)t * nb,
-                                q6 ? NULL : xs + (t - tb) * nb,
-                                q6 ? xh + (t - tb) * 2 * nb : NULL, tv, nsb, res, NULL, 0);
-                ks_q8_store_tile(8, T, res, out, m, r, rv, t, tv);
-            }
-        }
-    }
-}
+#define KS_T8(name) name##_avx2
+#define KS_T8_FN KS_INLINE
+#define KS_T8_DOT ks_dot_chunks_avx2
+#define KS_T8_TOKENS 8          /* the unpacked block feeds 8 tokens (spilling, but faster than 4) */
+#include "ks_kq_tile8.h"
+#undef KS_T8
+#undef KS_T8_FN
+#undef KS_T8_DOT
+#undef KS_T8_TOKENS
+#if defined(KS_HAVE_VNNI)
+#define KS_T8(name) name##_vnni
+#define KS_T8_FN KS_VNNI_TARGET static inline __attribute__((always_inline))
+#define KS_T8_DOT ks_dot_chunks_vnni
+#define KS_T8_TOKENS 4
+#include "ks_kq_tile8.h"
+#undef KS_T8
+#undef KS_T8_FN
+#undef KS_T8_DOT
+#undef KS_T8_TOKENS
 
 /* one VNNI function per type (an always-inline body is specialized only where it is inlined) */
 KS_VNNI_TARGET static void ks_q4k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
@@ -722,8 +575,10 @@ KS_VNNI_TARGET static void ks_q5k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
 KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
 { ks_kq_matmul_rows_vnni(KS_KQ_Q6K, KS_KQ_MATMUL_ARGS); }
 #endif
+#endif /* KS_AVX2 */
 
-/* Same contract as ks_kq_matmul_rows_plain. */
+/* Same contract as ks_kq_matmul_rows_plain. Decode: 8 x 1 tiles; prefill: on x86 the 8-row
+ * tiles of ks_kq_tile8.h, on NEON 4 x 2 tiles. */
 KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_stride,
                                  const int8_t *xq, const float *xd, int n, int k, float *out,
                                  int m, int r0, int r1)
@@ -751,6 +606,9 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_str
         }
         return;
     }
+#if defined(KS_AVX2)
+    ks_kq_matmul_rows_avx2(kind, w, w_stride, xq, xd, n, k, out, m, r0, r1);
+#else
     float xs[KS_PREFILL_TOKEN_BLOCK * nb];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
@@ -768,6 +626,7 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_str
             }
         }
     }
+#endif
 }
 #else
 static inline void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_stride,

@@ -178,6 +178,56 @@ KS_INLINE __m256i ks_hsum4x2_avx2(const __m256i p[4])
                             _mm256_shuffle_epi32(_mm256_blend_epi32(s1, s0, 0xCC), 0x4E));
 }
 
+/* Lane i's 4 bytes = 16 where bits s..s+3 of lane i's qh are set (Q5_0's bit 4 of the values
+ * whose low bits sit in one transposed dword). */
+KS_INLINE __m256i ks_q5_bits8(__m256i qh, const int s)
+{
+    const char o = (char)(s / 8);
+    const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(
+        o, o, o, o, 4 + o, 4 + o, 4 + o, 4 + o, 8 + o, 8 + o, 8 + o, 8 + o,
+        12 + o, 12 + o, 12 + o, 12 + o, o, o, o, o, 4 + o, 4 + o, 4 + o, 4 + o,
+        8 + o, 8 + o, 8 + o, 8 + o, 12 + o, 12 + o, 12 + o, 12 + o));
+    const __m256i bit = _mm256_set1_epi32(0x08040201 << (s % 8));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                            _mm256_set1_epi8(16));
+}
+
+/* The unsigned codes q of one block of 8 rows (blk[i], packed bytes at blk[i] + Q), lane i
+ * belonging to row i: lo[q] lane i = row i's values 4q..4q+3, hi[q] its values 16+4q..16+4q+3
+ * (the prefill tile's operands, ks_q4_tile8.h). */
+KS_INLINE void ks_q4x_codes8(const int f, const uint8_t *const blk[8], const int Q,
+                             __m256i lo[4], __m256i hi[4])
+{
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256i r[4], t[4];
+    /* rows i and i + 4 in the two halves; then a 4 x 4 dword transpose in each half */
+    for (int i = 0; i < 4; i++)
+        r[i] = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk[i] + Q))),
+            _mm_loadu_si128((const __m128i *)(blk[i + 4] + Q)), 1);
+    t[0] = _mm256_unpacklo_epi32(r[0], r[1]);
+    t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
+    t[2] = _mm256_unpacklo_epi32(r[2], r[3]);
+    t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
+    const __m256i c[4] = {_mm256_unpacklo_epi64(t[0], t[2]), _mm256_unpackhi_epi64(t[0], t[2]),
+                          _mm256_unpacklo_epi64(t[1], t[3]), _mm256_unpackhi_epi64(t[1], t[3])};
+    for (int q = 0; q < 4; q++) {
+        lo[q] = _mm256_and_si256(c[q], low);
+        hi[q] = _mm256_and_si256(_mm256_srli_epi16(c[q], 4), low);
+    }
+    if (f == KS_Q4X_Q5_0) {
+        const __m256i qh = _mm256_setr_epi32(
+            (int)ks_load_u32le(blk[0] + 2), (int)ks_load_u32le(blk[1] + 2),
+            (int)ks_load_u32le(blk[2] + 2), (int)ks_load_u32le(blk[3] + 2),
+            (int)ks_load_u32le(blk[4] + 2), (int)ks_load_u32le(blk[5] + 2),
+            (int)ks_load_u32le(blk[6] + 2), (int)ks_load_u32le(blk[7] + 2));
+        for (int q = 0; q < 4; q++) {
+            lo[q] = _mm256_or_si256(lo[q], ks_q5_bits8(qh, 4 * q));
+            hi[q] = _mm256_or_si256(hi[q], ks_q5_bits8(qh, 16 + 4 * q));
+        }
+    }
+}
+
 #else
 /* The block's 32 codes c as two int8x16 (values 0..15, 16..31). */
 KS_INLINE void ks_q4x_codes_neon(const int f, const uint8_t *blk, int8x16_t *c0, int8x16_t *c1)
@@ -204,7 +254,8 @@ KS_INLINE void ks_q4x_codes_neon(const int f, const uint8_t *blk, int8x16_t *c0,
 
 #endif
 
-/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or 4 x 2; rows and
+/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or (NEON prefill)
+ * 4 x 2; rows and
  * tokens as ks_tile_inputs. xs: the tile's first token's block sums, nb per token (used
  * where KS_Q4X_NEEDS_XSUM). pf (or NULL): block b prefetches
  * pf + b * pf_step, pf_step bytes (see ks_prefetch_rows). */
@@ -298,134 +349,30 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 #endif
 }
 
+#if defined(KS_AVX2)
+/* ---- prefill on x86: 8-row tiles on transposed codes (ks_q4_tile8.h), AVX2 and VNNI ------ */
+#define KS_T8(name) name##_avx2
+#define KS_T8_FN KS_INLINE
+#define KS_T8_DOT ks_dot_chunks_avx2
+#define KS_T8_TOKENS 8          /* unpacking costs more than Q8_0's transpose: 8 tokens share it
+                                 * (on AVX2 too, though 16 registers do not hold them all) */
+#include "ks_q4_tile8.h"
+#undef KS_T8
+#undef KS_T8_FN
+#undef KS_T8_DOT
+#undef KS_T8_TOKENS
 #if defined(KS_HAVE_VNNI)
-/* ---- prefill with AVX512-VNNI (chosen at run time as in ks_q8.h) -----------------------------
- * A tile of 8 rows x 8 tokens with lane i of every vector belonging to row i, as ks_q8.h's, so
- * vpdpbusd with a broadcast 4-byte chunk of a token adds row i's chunk product into lane i and
- * a block's 8 row sums need no horizontal adds. Here the packed 16 bytes of the rows are
- * transposed (8 rows x 4 dwords: half the work of transposing 32 unpacked bytes), and the
- * nibbles are split after: dword q's low nibbles are values 4q..4q+3, its high nibbles values
- * 16+4q..16+4q+3. The sums start at -8 or -16 times xsum (the code offset), so they are isum.
- * Unpacking costs more than Q8_0's transpose, so each block feeds twice as many tokens (16
- * would not fit the 32 registers). */
-
-#define KS_Q4X_VNNI_TOKENS 8
-
-/* Lane i's 4 bytes = 16 where bits s..s+3 of lane i's qh are set (Q5_0's bit 4 of the values
- * whose low bits sit in one transposed dword). */
-KS_VNNI_TARGET static inline __attribute__((always_inline))
-__m256i ks_q5_bits_vnni(__m256i qh, const int s)
-{
-    const char o = (char)(s / 8);
-    const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(
-        o, o, o, o, 4 + o, 4 + o, 4 + o, 4 + o, 8 + o, 8 + o, 8 + o, 8 + o,
-        12 + o, 12 + o, 12 + o, 12 + o, o, o, o, o, 4 + o, 4 + o, 4 + o, 4 + o,
-        8 + o, 8 + o, 8 + o, 8 + o, 12 + o, 12 + o, 12 + o, 12 + o));
-    const __m256i bit = _mm256_set1_epi32(0x08040201 << (s % 8));
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
-                            _mm256_set1_epi8(16));
-}
-
-/* res[j * 8 + i] = out value of row i, token j; rows and tokens as ks_tile_inputs. xs: the
- * tile's first token's block sums, nb per token. */
-KS_VNNI_TARGET static inline __attribute__((always_inline))
-void ks_q4x_tile_vnni(const int f, const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
-                      const float *xd, const int32_t *xs, int tv, int nb, float res[32])
-{
-    enum { T = KS_Q4X_VNNI_TOKENS };
-    const int B = ks_q4x_block_bytes(f), Q = ks_q4x_qs_offset(f);
-    const uint8_t *wp[8];
-    const int8_t *xp[T];
-    const float *dp[T];
-    const int32_t *sp[T];
-    ks_tile_inputs(8, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
-    const __m256i low = _mm256_set1_epi8(15);
-    __m256 acc[T];
-    for (int j = 0; j < T; j++)
-        acc[j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk[8];
-        __m256i r[4], t[4], lo[4], hi[4];
-        uint16_t h[8], hm[8];
-        for (int i = 0; i < 8; i++) {
-            blk[i] = wp[i] + (int64_t)b * B;
-            h[i] = ks_load_u16le(blk[i]);
-            hm[i] = f == KS_Q4X_Q4_1 ? ks_load_u16le(blk[i] + 2) : 0;
-        }
-        /* rows i and i + 4 in the two halves; then a 4 x 4 dword transpose in each half */
-        for (int i = 0; i < 4; i++)
-            r[i] = _mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk[i] + Q))),
-                _mm_loadu_si128((const __m128i *)(blk[i + 4] + Q)), 1);
-        t[0] = _mm256_unpacklo_epi32(r[0], r[1]);
-        t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
-        t[2] = _mm256_unpacklo_epi32(r[2], r[3]);
-        t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
-        const __m256i c[4] = {_mm256_unpacklo_epi64(t[0], t[2]), _mm256_unpackhi_epi64(t[0], t[2]),
-                              _mm256_unpacklo_epi64(t[1], t[3]), _mm256_unpackhi_epi64(t[1], t[3])};
-        for (int q = 0; q < 4; q++) {
-            lo[q] = _mm256_and_si256(c[q], low);
-            hi[q] = _mm256_and_si256(_mm256_srli_epi16(c[q], 4), low);
-        }
-        if (f == KS_Q4X_Q5_0) {
-            const __m256i qh = _mm256_setr_epi32(
-                (int)ks_load_u32le(blk[0] + 2), (int)ks_load_u32le(blk[1] + 2),
-                (int)ks_load_u32le(blk[2] + 2), (int)ks_load_u32le(blk[3] + 2),
-                (int)ks_load_u32le(blk[4] + 2), (int)ks_load_u32le(blk[5] + 2),
-                (int)ks_load_u32le(blk[6] + 2), (int)ks_load_u32le(blk[7] + 2));
-            for (int q = 0; q < 4; q++) {
-                lo[q] = _mm256_or_si256(lo[q], ks_q5_bits_vnni(qh, 4 * q));
-                hi[q] = _mm256_or_si256(hi[q], ks_q5_bits_vnni(qh, 16 + 4 * q));
-            }
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
-            h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
-        const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi16(
-            hm[0], hm[1], hm[2], hm[3], hm[4], hm[5], hm[6], hm[7]));
-        for (int j = 0; j < T; j++) {
-            const int8_t *xb = xp[j] + b * KS_QK;
-            __m256i s0 = _mm256_set1_epi32(-ks_q4x_code_offset(f) * sp[j][b]);
-            __m256i s1 = _mm256_setzero_si256();
-            for (int q = 0; q < 4; q++) {
-                s0 = _mm256_dpbusd_epi32(s0, lo[q], ks_bcast_chunk(xb + 4 * q));
-                s1 = _mm256_dpbusd_epi32(s1, hi[q], ks_bcast_chunk(xb + 16 + 4 * q));
-            }
-            const __m256 dx = _mm256_set1_ps(dp[j][b]);
-            acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
-                                   _mm256_mul_ps(dw, dx), acc[j]);
-            if (f == KS_Q4X_Q4_1)
-                acc[j] = ks_fmadd_avx2(_mm256_set1_ps((float)sp[j][b]), _mm256_mul_ps(dm, dx),
-                                       acc[j]);
-        }
-    }
-    for (int j = 0; j < T; j++)
-        _mm256_storeu_ps(res + 8 * j, acc[j]);
-}
-
-KS_VNNI_TARGET static inline __attribute__((always_inline))
-void ks_q4x_matmul_rows_vnni(const int f, const uint8_t *w, int64_t w_stride, const int8_t *xq,
-                             const float *xd, int n, int k, float *out, int m, int r0, int r1)
-{
-    const int nb = k / KS_QK;
-    int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
-    float res[8 * KS_Q4X_VNNI_TOKENS];
-    for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
-        const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
-        ks_q4x_block_sums(xq + (int64_t)tb * k, (int64_t)(te - tb) * nb, xs);
-        for (int r = r0; r < r1; r += 8) {
-            const int rv = r1 - r < 8 ? r1 - r : 8;
-            for (int t = tb; t < te; t += KS_Q4X_VNNI_TOKENS) {
-                const int tv = te - t < KS_Q4X_VNNI_TOKENS ? te - t : KS_Q4X_VNNI_TOKENS;
-                ks_q4x_tile_vnni(f, w + (int64_t)r * w_stride, w_stride, rv, xq + (int64_t)t * k,
-                                 xd + (int64_t)t * nb, xs + (t - tb) * nb, tv, nb, res);
-                for (int j = 0; j < tv; j++)
-                    for (int i = 0; i < rv; i++)
-                        out[(int64_t)(t + j) * m + r + i] = res[j * 8 + i];
-            }
-        }
-    }
-}
-#endif /* KS_HAVE_VNNI */
+#define KS_T8(name) name##_vnni
+#define KS_T8_FN KS_VNNI_TARGET static inline __attribute__((always_inline))
+#define KS_T8_DOT ks_dot_chunks_vnni
+#define KS_T8_TOKENS 8
+#include "ks_q4_tile8.h"
+#undef KS_T8
+#undef KS_T8_FN
+#undef KS_T8_DOT
+#undef KS_T8_TOKENS
+#endif
+#endif
 
 #endif /* KS_HAVE_SIMD_MATMUL */
 
@@ -441,8 +388,9 @@ KS_VNNI_TARGET static void ks_q4_1_matmul_rows_vnni(KS_Q4X_ROWS_PARAMS) { ks_q4x
 KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows_vnni(KS_Q4X_Q5_0, KS_Q4X_ROWS_ARGS); }
 #endif
 
-/* Same contract as the plain products (KS_PLAIN_MATMUL_ROWS). Decode (n == 1): tiles of 8 rows, prefetching the
- * next tile as ks_q8.h does; prefill: tiles of 4 rows x 2 tokens (8 rows x 8 tokens on VNNI). */
+/* Same contract as the plain products (KS_PLAIN_MATMUL_ROWS). Decode (n == 1): tiles of 8 rows,
+ * prefetching the next tile as ks_q8.h does; prefill: on x86 the 8-row tiles of
+ * ks_q4_tile8.h, on NEON tiles of 4 rows x 2 tokens. */
 static inline __attribute__((always_inline))
 void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
 {
@@ -470,6 +418,9 @@ void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
         return;
     }
 #endif
+#if defined(KS_AVX2)
+    ks_q4x_matmul_rows_avx2(f, KS_Q4X_ROWS_ARGS);
+#else
     int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
@@ -485,6 +436,7 @@ void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
             }
         }
     }
+#endif
 #else
     (f == KS_Q4X_Q4_0 ? ks_q4_0_matmul_rows_plain : f == KS_Q4X_Q4_1 ? ks_q4_1_matmul_rows_plain
                       : ks_q5_0_matmul_rows_plain)(KS_Q4X_ROWS_ARGS);

@@ -139,8 +139,8 @@ KS_INLINE __m256i ks_hsum8x8_avx2(const __m256i p[8])
                             _mm256_permute2x128_si256(u[0], u[1], 0x21));
 }
 
-/* 8 x 8 dword transpose of 8 rows' 32-byte blocks r: c[2q] lane i = row i's dword q,
- * c[2q + 1] lane i = its dword q + 4 (bytes 4q.. and 16 + 4q..). */
+/* 8 x 8 dword transpose of 8 rows' 32-byte blocks r: c[q] lane i = row i's dword q (its bytes
+ * 4q .. 4q + 3), so that lane i of every product with a broadcast chunk belongs to row i. */
 KS_INLINE void ks_transpose8x8_epi32(const __m256i r[8], __m256i c[8])
 {
     __m256i t[8], u[8];
@@ -148,16 +148,25 @@ KS_INLINE void ks_transpose8x8_epi32(const __m256i r[8], __m256i c[8])
         t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
-    for (int g = 0; g < 2; g++) {
+    for (int g = 0; g < 2; g++) {    /* rows 4g..4g+3: dwords q and q + 4 in the two halves */
         u[4 * g + 0] = _mm256_unpacklo_epi64(t[4 * g + 0], t[4 * g + 2]);
         u[4 * g + 1] = _mm256_unpackhi_epi64(t[4 * g + 0], t[4 * g + 2]);
         u[4 * g + 2] = _mm256_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
         u[4 * g + 3] = _mm256_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
     }
     for (int q = 0; q < 4; q++) {
-        c[2 * q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
-        c[2 * q + 1] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+        c[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+        c[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
     }
+}
+
+/* c[q] lane i = dword q of the 32 bytes at wp[i] + off (ks_transpose8x8_epi32) */
+KS_INLINE void ks_load8_transposed(const uint8_t *const wp[8], int64_t off, __m256i c[8])
+{
+    __m256i r[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm256_loadu_si256((const __m256i *)(wp[i] + off));
+    ks_transpose8x8_epi32(r, c);
 }
 
 /* A token's 4-byte chunk at p in every dword lane. */
@@ -166,6 +175,21 @@ KS_INLINE __m256i ks_bcast_chunk(const int8_t *p)
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
+}
+
+/* acc + the exact products of u[q] (unsigned bytes; lane i: row i's 4 bytes of chunk q) with
+ * x's chunk q broadcast, for q0 <= q < q1 (an even count): row i's sums in lane i. Two chunks'
+ * maddubs pair sums are added in int16 before widening, which is exact for codes u <= 63 and
+ * |x| <= 127: 2 * 2 * 63 * 127 < 2^15. ks_dot_chunks_vnni is its one-instruction twin. */
+KS_INLINE __m256i ks_dot_chunks_avx2(__m256i acc, const __m256i *u, const int8_t *x, int q0,
+                                     int q1)
+{
+    for (int q = q0; q < q1; q += 2) {
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[q], ks_bcast_chunk(x + 4 * q)),
+                                           _mm256_maddubs_epi16(u[q + 1], ks_bcast_chunk(x + 4 * q + 4)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    }
+    return acc;
 }
 #else
 /* 4 int32 partial sums of w . x for one block (two 16-byte halves). */
@@ -314,7 +338,7 @@ KS_INLINE void ks_q8_store_tile(const int R, const int T, const float *res, floa
 }
 
 #if defined(KS_AVX2)
-#define KS_T8_TOKENS 4    /* tokens per transposed AVX2 prefill tile */
+#define KS_Q8_T8_TOKENS 4    /* tokens per transposed AVX2 prefill tile */
 
 /* The AVX2 prefill tile: 8 rows x 4 tokens, res[j * 8 + i] = out value of row i, token j;
  * rows >= rv / tokens >= tv repeat the last valid one. As in the VNNI tile, the 8 rows'
@@ -323,9 +347,9 @@ KS_INLINE void ks_q8_store_tile(const int R, const int T, const float *res, floa
  * half the work of a 4 x 2 tile). maddubs takes |w| unsigned and x with w's sign (x is
  * never -128), so every pair sum fits int16. Same fma(isum, dw * dx, acc) per block. */
 KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
-                             const float *xd, int tv, int nb, float res[8 * KS_T8_TOKENS])
+                             const float *xd, int tv, int nb, float res[8 * KS_Q8_T8_TOKENS])
 {
-    enum { T = KS_T8_TOKENS };
+    enum { T = KS_Q8_T8_TOKENS };
     const uint8_t *wp[8];
     const int8_t *xp[8];
     const float *dp[8];
@@ -335,13 +359,11 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
     for (int j = 0; j < T; j++)
         acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i r[8], c[8], a[8];
+        __m256i c[8], a[8];
         uint16_t h[8];
-        for (int i = 0; i < 8; i++) {
-            r[i] = _mm256_loadu_si256((const __m256i *)(wp[i] + b * KS_QBLOCK + 2));
+        for (int i = 0; i < 8; i++)
             h[i] = ks_load_u16le(wp[i] + b * KS_QBLOCK);
-        }
-        ks_transpose8x8_epi32(r, c);
+        ks_load8_transposed(wp, b * KS_QBLOCK + 2, c);
         for (int q = 0; q < 8; q++)
             a[q] = _mm256_abs_epi8(c[q]);
         const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
@@ -350,7 +372,7 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
             const int8_t *xb = xp[j] + b * KS_QK;
             __m256i s = _mm256_setzero_si256();
             for (int q = 0; q < 8; q++) {
-                const __m256i xv = ks_bcast_chunk(xb + (q & 1) * 16 + (q >> 1) * 4);
+                const __m256i xv = ks_bcast_chunk(xb + 4 * q);
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(
                     _mm256_maddubs_epi16(a[q], _mm256_sign_epi8(xv, c[q])), ones));
             }
@@ -396,6 +418,15 @@ static inline int ks_set_vnni(int on)
     return ks_vnni_state;
 }
 
+/* ks_dot_chunks_avx2 in one instruction per chunk (vpdpbusd: unsigned u times signed x) */
+KS_VNNI_TARGET static inline __attribute__((always_inline))
+__m256i ks_dot_chunks_vnni(__m256i acc, const __m256i *u, const int8_t *x, int q0, int q1)
+{
+    for (int q = q0; q < q1; q++)
+        acc = _mm256_dpbusd_epi32(acc, u[q], ks_bcast_chunk(x + 4 * q));
+    return acc;
+}
+
 /* res[j * 8 + i] = out value of row i, token j; rows >= rv / tokens >= tv repeat the last valid
  * one. xs[t * nb + b] = -128 * (sum of token t's block b). */
 KS_VNNI_TARGET static inline __attribute__((always_inline))
@@ -420,22 +451,21 @@ void ks_q8_tile_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x
     for (int j = 0; j < T; j++)
         acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i r[8], c[8];
+        __m256i c[8];
         uint16_t h[8];
-        for (int i = 0; i < 8; i++) {
-            r[i] = _mm256_xor_si256(
-                _mm256_loadu_si256((const __m256i *)(wp[i] + b * KS_QBLOCK + 2)), flip);
+        for (int i = 0; i < 8; i++)
             h[i] = ks_load_u16le(wp[i] + b * KS_QBLOCK);
-        }
-        ks_transpose8x8_epi32(r, c);
+        ks_load8_transposed(wp, b * KS_QBLOCK + 2, c);
+        for (int q = 0; q < 8; q++)      /* xor commutes with the transpose */
+            c[q] = _mm256_xor_si256(c[q], flip);
         const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
             h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
             __m256i s0 = _mm256_set1_epi32(sp[j][b]), s1 = _mm256_setzero_si256();
             for (int q = 0; q < 4; q++) {
-                s0 = _mm256_dpbusd_epi32(s0, c[2 * q], ks_bcast_chunk(xb + 4 * q));
-                s1 = _mm256_dpbusd_epi32(s1, c[2 * q + 1], ks_bcast_chunk(xb + 4 * q + 16));
+                s0 = _mm256_dpbusd_epi32(s0, c[q], ks_bcast_chunk(xb + 4 * q));
+                s1 = _mm256_dpbusd_epi32(s1, c[q + 4], ks_bcast_chunk(xb + 4 * q + 16));
             }
             const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
             const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dp[j][b]));
@@ -505,7 +535,7 @@ static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *
     }
 #endif
 #if defined(KS_AVX2)
-    enum { R = 8, T = KS_T8_TOKENS };
+    enum { R = 8, T = KS_Q8_T8_TOKENS };
     float res_t[R * T];
 #else
     enum { R = 4, T = 2 };

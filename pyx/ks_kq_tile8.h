@@ -1,0 +1,141 @@
+/* Kestrel kernels: the 8-row tiles of Q4_K, Q5_K and Q6_K on x86 (no Python here).
+ *
+ * Written once, compiled twice: ks_kquants.h includes this file once for AVX2 (prefill) and
+ * once for AVX512-VNNI (chosen at run time; decode and prefill), with KS_T8(name), KS_T8_FN,
+ * KS_T8_DOT and KS_T8_TOKENS as ks_q4_tile8.h describes. A tile is 8 rows x T tokens, lane i
+ * of every vector belonging to row i. The rows' 32 code bytes of a block (or block pair) are
+ * transposed as 8 x 8 dwords, so that a token's broadcast 4-byte chunk times them adds row
+ * i's chunk product into lane i: no horizontal adds, and the codes are unsigned, as maddubs
+ * and vpdpbusd want them (Q6_K's -32 comes in as the sum's start, -32 * the half-block's sum
+ * of x). The float side is ks_kquants.h's contract per block, in order: bit-identical. */
+
+/* res[j * 8 + i] = out value for row i, token j; rows >= rv / tokens >= tv repeat the last
+ * valid one. xs: the tokens' block sums (Q4_K, Q5_K); xh[t * 2nb + 2b + h]: -32 * the sum of
+ * half h of block b (Q6_K). pf: as in ks_kq_tile. */
+KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, int64_t w_stride,
+                                int rv, const int8_t *x, const float *xd, const float *xs,
+                                const int32_t *xh, int tv, int nsb, float *res,
+                                const uint8_t *pf, int64_t pf_step)
+{
+    const int bytes = ks_kq_bytes(kind);
+    ks_kq_tile_ptrs P;
+    ks_kq_tile_ptrs_of(8, T, w, w_stride, rv, x, xd, xs, xh, tv, nsb * 8, &P);
+    const uint8_t *const *wp = P.w;
+    const int8_t *const *xp = P.x;
+    const float *const *dp = P.xd, *const *sp = P.xs;
+    const int32_t *const *hp = P.xh;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[KS_T8_TOKENS];
+    for (int j = 0; j < T; j++)
+        acc[j] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        const int64_t off = (int64_t)sb * bytes;
+        ks_f8 ds[8], dm[8];
+        __m256i sc6[16], qh[8], c[3][8];
+        if (kind == KS_KQ_Q6K) {    /* d, and the 16 int8 scales as int32 lanes */
+            __m256i r[4];
+            ds[0] = ks_q6k_lane_scales(8, wp, off);
+            ks_transpose8x4_epi32(8, wp, off + 192, r);
+            for (int e = 0; e < 16; e++)
+                sc6[e] = _mm256_srai_epi32(_mm256_slli_epi32(r[e / 4], 24 - 8 * (e % 4)), 24);
+        } else {
+            ks_kq_lane_scales(8, wp, off, ds, dm);
+        }
+        if (kind == KS_KQ_Q5K)
+            ks_load8_transposed(wp, off + 16, qh);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const int b = sb * 8 + s;
+            __m256i codes[8];
+            if (pf)
+                ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8);
+            if (kind == KS_KQ_Q6K) {
+                const int hf = s / 4, g = s % 4;
+                if (g == 0) {        /* the half's low bits (two groups of 32) and high bits */
+                    ks_load8_transposed(wp, off + 64 * hf, c[0]);
+                    ks_load8_transposed(wp, off + 64 * hf + 32, c[1]);
+                    ks_load8_transposed(wp, off + 128 + 32 * hf, c[2]);
+                }
+                for (int q = 0; q < 8; q++) {   /* 32-bit shifts: no other byte's bit lands */
+                    const __m256i l = c[g & 1][q];
+                    const __m256i lo = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi32(l, 4), m4);
+                    const __m256i hi = g == 0 ? _mm256_slli_epi32(c[2][q], 4) : g == 1
+                                     ? _mm256_slli_epi32(c[2][q], 2) : g == 2 ? c[2][q]
+                                     : _mm256_srli_epi32(c[2][q], 2);
+                    codes[q] = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+                }
+            } else {
+                const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
+                if (s % 2 == 0)
+                    ks_load8_transposed(wp, off + qoff + 16 * s, c[0]);
+                for (int q = 0; q < 8; q++) {
+                    codes[q] = _mm256_and_si256(s & 1 ? _mm256_srli_epi32(c[0][q], 4) : c[0][q], m4);
+                    if (kind == KS_KQ_Q5K) {
+                        const __m256i hb = s < 4 ? _mm256_slli_epi32(qh[q], 4 - s)
+                                                 : _mm256_srli_epi32(qh[q], s - 4);
+                        codes[q] = _mm256_or_si256(codes[q], _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+                    }
+                }
+            }
+            for (int j = 0; j < T; j++) {
+                const int8_t *xb = xp[j] + b * KS_QK;
+                const __m256 dx = _mm256_set1_ps(dp[j][b]);
+                if (kind == KS_KQ_Q6K) {
+                    const __m256i sa = KS_T8_DOT(_mm256_set1_epi32(hp[j][2 * b]), codes, xb, 0, 4);
+                    const __m256i sbh = KS_T8_DOT(_mm256_set1_epi32(hp[j][2 * b + 1]), codes, xb, 4, 8);
+                    const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sa, sc6[2 * s]),
+                                                          _mm256_mullo_epi32(sbh, sc6[2 * s + 1]));
+                    acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[0], dx), acc[j]);
+                } else {
+                    const __m256i isum = KS_T8_DOT(_mm256_setzero_si256(), codes, xb, 0, 8);
+                    acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[s], dx), acc[j]);
+                    acc[j] = ks_fmadd_avx2(_mm256_set1_ps(sp[j][b]), _mm256_mul_ps(dm[s], dx), acc[j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < T; j++)
+        _mm256_storeu_ps(res + 8 * j, acc[j]);
+}
+
+/* The product (the contract of the plain twin): decode in 8 x 1 tiles (prefetching the
+ * next), prefill in 8 x KS_T8_TOKENS. */
+KS_T8_FN void KS_T8(ks_kq_matmul_rows)(const int kind, const uint8_t *w, int64_t w_stride,
+                                       const int8_t *xq, const float *xd, int n, int k,
+                                       float *out, int m, int r0, int r1)
+{
+    enum { T = KS_T8_TOKENS };
+    const int nb = k / KS_QK, nsb = k / KS_QK_K, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
+    const int q6 = kind == KS_KQ_Q6K;
+    float xs[q6 ? 1 : tblock * nb], res[8 * T];    /* the sums each type needs */
+    int32_t xh[q6 ? tblock * 2 * nb : 1];
+    for (int tb = 0; tb < n; tb += tblock) {
+        const int te = tb + tblock < n ? tb + tblock : n;
+        for (int t = tb; t < te; t++) {
+            if (kind == KS_KQ_Q6K)
+                ks_q8_half_sums_x32(xq + (int64_t)t * k, nb, xh + (t - tb) * 2 * nb);
+            else
+                ks_q8_block_sums(xq + (int64_t)t * k, nb, xs + (t - tb) * nb);
+        }
+        for (int r = r0; r < r1; r += 8) {
+            const int rv = r1 - r < 8 ? r1 - r : 8;
+            if (n == 1) {
+                const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
+                KS_T8(ks_kq_tile)(kind, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
+                                q6 ? NULL : xs, q6 ? xh : NULL, 1, nsb, res, next,
+                                8 * w_stride / nsb);
+                ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
+                continue;
+            }
+            for (int t = tb; t < te; t += T) {
+                const int tv = te - t < T ? te - t : T;
+                KS_T8(ks_kq_tile)(kind, T, w + (int64_t)r * w_stride, w_stride, rv,
+                                xq + (int64_t)t * k, xd + (int64_t)t * nb,
+                                q6 ? NULL : xs + (t - tb) * nb,
+                                q6 ? xh + (t - tb) * 2 * nb : NULL, tv, nsb, res, NULL, 0);
+                ks_q8_store_tile(8, T, res, out, m, r, rv, t, tv);
+            }
+        }
+    }
+}
+
