@@ -139,3 +139,8 @@ KS_T8_FN void KS_T8(ks_kq_matmul_rows)(const int kind, const uint8_t *w, int64_t
     }
 }
 
+/* the parameters are this instantiation's alone */
+#undef KS_T8
+#undef KS_T8_FN
+#undef KS_T8_DOT
+#undef KS_T8_TOKENS

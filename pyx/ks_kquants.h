@@ -552,20 +552,12 @@ static inline void ks_q8_half_sums_x32(const int8_t *restrict x, int nb, int32_t
 #define KS_T8_DOT ks_dot_chunks_avx2
 #define KS_T8_TOKENS 8          /* the unpacked block feeds 8 tokens (spilling, but faster than 4) */
 #include "ks_kq_tile8.h"
-#undef KS_T8
-#undef KS_T8_FN
-#undef KS_T8_DOT
-#undef KS_T8_TOKENS
 #if defined(KS_HAVE_VNNI)
 #define KS_T8(name) name##_vnni
 #define KS_T8_FN KS_VNNI_TARGET static inline __attribute__((always_inline))
 #define KS_T8_DOT ks_dot_chunks_vnni
 #define KS_T8_TOKENS 4
 #include "ks_kq_tile8.h"
-#undef KS_T8
-#undef KS_T8_FN
-#undef KS_T8_DOT
-#undef KS_T8_TOKENS
 
 /* one VNNI function per type (an always-inline body is specialized only where it is inlined) */
 KS_VNNI_TARGET static void ks_q4k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)

@@ -357,20 +357,12 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 #define KS_T8_TOKENS 8          /* unpacking costs more than Q8_0's transpose: 8 tokens share it
                                  * (on AVX2 too, though 16 registers do not hold them all) */
 #include "ks_q4_tile8.h"
-#undef KS_T8
-#undef KS_T8_FN
-#undef KS_T8_DOT
-#undef KS_T8_TOKENS
 #if defined(KS_HAVE_VNNI)
 #define KS_T8(name) name##_vnni
 #define KS_T8_FN KS_VNNI_TARGET static inline __attribute__((always_inline))
 #define KS_T8_DOT ks_dot_chunks_vnni
 #define KS_T8_TOKENS 8
 #include "ks_q4_tile8.h"
-#undef KS_T8
-#undef KS_T8_FN
-#undef KS_T8_DOT
-#undef KS_T8_TOKENS
 #endif
 #endif
 

@@ -6,6 +6,7 @@
  *     KS_T8_FN         its attributes (the VNNI copy carries the target)
  *     KS_T8_DOT        acc + chunk products, lane by lane (ks_dot_chunks_avx2 / _vnni)
  *     KS_T8_TOKENS     the tokens of a tile
+ * (undefined again at the end of this file).
  * A tile is 8 rows x KS_T8_TOKENS tokens with lane i of every vector belonging to row i, as in
  * ks_q8.h's: a broadcast 4-byte chunk of a token times the rows' matching code bytes adds row
  * i's chunk product into lane i, so a block's 8 row sums need no horizontal adds. The packed
@@ -86,3 +87,9 @@ KS_T8_FN void KS_T8(ks_q4x_matmul_rows)(const int f, const uint8_t *w, int64_t w
         }
     }
 }
+
+/* the parameters are this instantiation's alone */
+#undef KS_T8
+#undef KS_T8_FN
+#undef KS_T8_DOT
+#undef KS_T8_TOKENS
