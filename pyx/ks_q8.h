@@ -462,11 +462,9 @@ void ks_q8_tile_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x
             h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
-            __m256i s0 = _mm256_set1_epi32(sp[j][b]), s1 = _mm256_setzero_si256();
-            for (int q = 0; q < 4; q++) {
-                s0 = _mm256_dpbusd_epi32(s0, c[q], ks_bcast_chunk(xb + 4 * q));
-                s1 = _mm256_dpbusd_epi32(s1, c[q + 4], ks_bcast_chunk(xb + 4 * q + 16));
-            }
+            /* two chains, so that consecutive vpdpbusd do not wait on each other */
+            const __m256i s0 = ks_dot_chunks_vnni(_mm256_set1_epi32(sp[j][b]), c, xb, 0, 4);
+            const __m256i s1 = ks_dot_chunks_vnni(_mm256_setzero_si256(), c, xb, 4, 8);
             const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
             const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dp[j][b]));
             acc[j] = ks_fmadd_avx2(isum, d, acc[j]);
