@@ -1,13 +1,14 @@
 /* Kestrel kernels: the 8-row tiles of Q4_K, Q5_K and Q6_K on x86 (no Python here).
  *
- * Written once, compiled twice: ks_kquants.h includes this file once for AVX2 (prefill) and
- * once for AVX512-VNNI (chosen at run time; decode and prefill), with KS_T8(name), KS_T8_FN,
- * KS_T8_DOT and KS_T8_TOKENS as ks_q4_tile8.h describes. A tile is 8 rows x T tokens, lane i
- * of every vector belonging to row i. The rows' 32 code bytes of a block (or block pair) are
- * transposed as 8 x 8 dwords, so that a token's broadcast 4-byte chunk times them adds row
- * i's chunk product into lane i: no horizontal adds, and the codes are unsigned, as maddubs
- * and vpdpbusd want them (Q6_K's -32 comes in as the sum's start, -32 * the half-block's sum
- * of x). The float side is ks_kquants.h's contract per block, in order: bit-identical. */
+ * Written once, compiled twice: ks_kquants.h includes this file once for AVX2 (all but Q6_K
+ * decode) and once for AVX512-VNNI (chosen at run time; decode and prefill), with
+ * KS_T8(name), KS_T8_FN, KS_T8_DOT and KS_T8_TOKENS as ks_q4_tile8.h describes. A tile is 8
+ * rows x T tokens, lane i of every vector belonging to row i. The rows' 32 code bytes of a
+ * block (or block pair; Q6_K's built row by row first) are transposed as 8 x 8 dwords, so
+ * that a token's broadcast 4-byte chunk times them adds row i's chunk product into lane i: no
+ * horizontal adds, and the codes are unsigned, as maddubs and vpdpbusd want them (Q6_K's -32
+ * comes in as the sum's start, -32 * the half-block's sum of x). The float side is
+ * ks_kquants.h's contract per block, in order: bit-identical. */
 
 /* res[j * 8 + i] = out value for row i, token j; rows >= rv / tokens >= tv repeat the last
  * valid one. xs: the tokens' block sums (Q4_K, Q5_K); xh[t * 2nb + 2b + h]: -32 * the sum of
@@ -31,13 +32,10 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
     for (int sb = 0; sb < nsb; sb++) {
         const int64_t off = (int64_t)sb * bytes;
         ks_f8 ds[8], dm[8];
-        __m256i sc6[16], qh[8], c[3][8];
-        if (kind == KS_KQ_Q6K) {    /* d, and the 16 int8 scales as int32 lanes */
-            __m256i r[4];
+        __m256i sc6[4], qh[8], c[8];
+        if (kind == KS_KQ_Q6K) {    /* d, and the 16 int8 scales: dword e / 4, byte e % 4 */
             ds[0] = ks_q6k_lane_scales(8, wp, off);
-            ks_transpose8x4_epi32(8, wp, off + 192, r);
-            for (int e = 0; e < 16; e++)
-                sc6[e] = _mm256_srai_epi32(_mm256_slli_epi32(r[e / 4], 24 - 8 * (e % 4)), 24);
+            ks_transpose8x4_epi32(8, wp, off + 192, sc6);
         } else {
             ks_kq_lane_scales(8, wp, off, ds, dm);
         }
@@ -49,27 +47,17 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
             __m256i codes[8];
             if (pf)
                 ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8);
-            if (kind == KS_KQ_Q6K) {
-                const int hf = s / 4, g = s % 4;
-                if (g == 0) {        /* the half's low bits (two groups of 32) and high bits */
-                    ks_load8_transposed(wp, off + 64 * hf, c[0]);
-                    ks_load8_transposed(wp, off + 64 * hf + 32, c[1]);
-                    ks_load8_transposed(wp, off + 128 + 32 * hf, c[2]);
-                }
-                for (int q = 0; q < 8; q++) {   /* 32-bit shifts: no other byte's bit lands */
-                    const __m256i l = c[g & 1][q];
-                    const __m256i lo = _mm256_and_si256(g < 2 ? l : _mm256_srli_epi32(l, 4), m4);
-                    const __m256i hi = g == 0 ? _mm256_slli_epi32(c[2][q], 4) : g == 1
-                                     ? _mm256_slli_epi32(c[2][q], 2) : g == 2 ? c[2][q]
-                                     : _mm256_srli_epi32(c[2][q], 2);
-                    codes[q] = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
-                }
+            if (kind == KS_KQ_Q6K) {   /* each row's 32 codes of block s, then transposed */
+                __m256i r[8];
+                for (int i = 0; i < 8; i++)
+                    r[i] = ks_q6k_codes_avx2(wp[i] + off, s);
+                ks_transpose8x8_epi32(r, codes);
             } else {
                 const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
                 if (s % 2 == 0)
-                    ks_load8_transposed(wp, off + qoff + 16 * s, c[0]);
+                    ks_load8_transposed(wp, off + qoff + 16 * s, c);
                 for (int q = 0; q < 8; q++) {
-                    codes[q] = _mm256_and_si256(s & 1 ? _mm256_srli_epi32(c[0][q], 4) : c[0][q], m4);
+                    codes[q] = _mm256_and_si256(s & 1 ? _mm256_srli_epi32(c[q], 4) : c[q], m4);
                     if (kind == KS_KQ_Q5K) {
                         const __m256i hb = s < 4 ? _mm256_slli_epi32(qh[q], 4 - s)
                                                  : _mm256_srli_epi32(qh[q], s - 4);
@@ -83,8 +71,12 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
                 if (kind == KS_KQ_Q6K) {
                     const __m256i sa = KS_T8_DOT(_mm256_set1_epi32(hp[j][2 * b]), codes, xb, 0, 4);
                     const __m256i sbh = KS_T8_DOT(_mm256_set1_epi32(hp[j][2 * b + 1]), codes, xb, 4, 8);
-                    const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sa, sc6[2 * s]),
-                                                          _mm256_mullo_epi32(sbh, sc6[2 * s + 1]));
+                    /* scales 2s, 2s + 1: bytes 2 (s % 2), +1 of dword s / 2, sign-extended */
+                    const __m256i sw = sc6[s / 2];
+                    const __m256i sca = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 16 * (s % 2)), 24);
+                    const __m256i scb = _mm256_srai_epi32(_mm256_slli_epi32(sw, 16 - 16 * (s % 2)), 24);
+                    const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sa, sca),
+                                                          _mm256_mullo_epi32(sbh, scb));
                     acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[0], dx), acc[j]);
                 } else {
                     const __m256i isum = KS_T8_DOT(_mm256_setzero_si256(), codes, xb, 0, 8);

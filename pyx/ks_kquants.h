@@ -184,9 +184,9 @@ static inline void ks_kq_matmul_rows_plain(const int kind, const uint8_t *w, int
 }
 
 /* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ----
- * As in ks_q8.h: decode takes 8 x 1 tiles (and asks for the next tile's bytes while it
- * computes); NEON prefill takes 4 x 2 tiles, so each weight block loaded and unpacked feeds 2
- * tokens (x86 prefill: the 8-row tiles of ks_kq_tile8.h).
+ * As in ks_q8.h: NEON decode takes 8 x 1 tiles (and asks for the next tile's bytes while it
+ * computes), NEON prefill 4 x 2 tiles, so each weight block loaded and unpacked feeds 2
+ * tokens. x86 takes the 8-row tiles of ks_kq_tile8.h, but for AVX2's Q6_K decode (8 x 1 here).
  * The per-block scales of the 8 lanes are unpacked once per superblock. */
 #if defined(KS_HAVE_SIMD_MATMUL)
 
@@ -341,58 +341,47 @@ KS_INLINE ks_f8 ks_q6k_lane_scales(const int R, const uint8_t *const wp[8], int6
 #endif
 
 #if defined(KS_AVX2)
-/* Lane j * R + i: the exact isum of row i, token j for block s of the superblock at off
- * (activation block b). */
-KS_INLINE __m256 ks_kq_isum(const int kind, const int R, const int T, const uint8_t *const wp[8],
-                            int64_t off, const int s, const int8_t *const xp[8], int b)
+/* Q6_K (the only type AVX2 takes through ks_kq_tile, for decode): lane j * R + i, the exact
+ * isum of row i, token j for block s of the superblock at off (activation block b). */
+/* The 32 unsigned codes (0..63, q + 32) of activation block s of the Q6_K superblock blk
+ * (16-bit shifts: no other byte's bit lands in the kept ones). */
+KS_INLINE __m256i ks_q6k_codes_avx2(const uint8_t *blk, const int s)
 {
+    const int hf = s / 4, g = s % 4;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32 * (g & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
     const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(g < 2 ? ql : _mm256_srli_epi16(ql, 4), m4);
+    const __m256i hi = g == 0 ? _mm256_slli_epi16(qh, 4) : g == 1 ? _mm256_slli_epi16(qh, 2)
+                     : g == 2 ? qh : _mm256_srli_epi16(qh, 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+
+KS_INLINE __m256 ks_q6k_isum_avx2(const int R, const int T, const uint8_t *const wp[8],
+                                  int64_t off, const int s, const int8_t *const xp[8], int b)
+{
     __m256i q[8], sc[8], xv[8], o[8], p[8];
     for (int j = 0; j < T; j++)
         xv[j] = _mm256_loadu_si256((const __m256i *)(xp[j] + b * KS_QK));
-    if (kind == KS_KQ_Q6K) {
-        const int hf = s / 4, g = s % 4;
-        /* picks int16 scale 2g of a 128-bit lane into the low lane, 2g + 1 into the high */
-        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * g)),
-                                              _mm_set1_epi16((short)(0x0100 + 0x0404 * g)));
-        for (int i = 0; i < R; i++) {
-            const uint8_t *blk = wp[i] + off;
-            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32 * (g & 1)));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
-            const __m256i lo = _mm256_and_si256(g < 2 ? ql : _mm256_srli_epi16(ql, 4), m4);
-            const __m256i hi = g == 0 ? _mm256_slli_epi16(qh, 4) : g == 1 ? _mm256_slli_epi16(qh, 2)
-                             : g == 2 ? qh : _mm256_srli_epi16(qh, 2);
-            q[i] = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
-            /* the 8 int16 scales of this half in both 128-bit lanes, then the two of block s */
-            const __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * hf));
-            sc[i] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8)), pick);
-        }
-        /* (q - 32) * x pair sums as q*x - 32*x in int16 (|.| <= 2 * 63 * 128), then the
-         * sub-blocks' scales in the pairwise add to int32 */
-        for (int j = 0; j < T; j++)
-            o[j] = _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv[j]);
-        for (int j = 0; j < T; j++)
-            for (int i = 0; i < R; i++)
-                p[j * R + i] = _mm256_madd_epi16(
-                    _mm256_sub_epi16(_mm256_maddubs_epi16(q[i], xv[j]), o[j]), sc[i]);
-    } else {
-        const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
-        for (int i = 0; i < R; i++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wp[i] + off + qoff + 32 * (s / 2)));
-            q[i] = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
-            if (kind == KS_KQ_Q5K) {   /* bit s of each qh byte to bit 4 (16-bit shifts:
-                                         * no other bit lands there) */
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(wp[i] + off + 16));
-                const __m256i hb = s < 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
-                q[i] = _mm256_or_si256(q[i], _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
-            }
-        }
-        /* codes <= 31 and |x| <= 128: maddubs's int16 pair sums cannot saturate */
-        for (int j = 0; j < T; j++)
-            for (int i = 0; i < R; i++)
-                p[j * R + i] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], xv[j]),
-                                                 _mm256_set1_epi16(1));
+    const int hf = s / 4, g = s % 4;
+    /* picks int16 scale 2g of a 128-bit lane into the low lane, 2g + 1 into the high */
+    const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(0x0302 + 0x0404 * g)),
+                                          _mm_set1_epi16((short)(0x0100 + 0x0404 * g)));
+    for (int i = 0; i < R; i++) {
+        const uint8_t *blk = wp[i] + off;
+        q[i] = ks_q6k_codes_avx2(blk, s);
+        /* the 8 int16 scales of this half in both 128-bit lanes, then the two of block s */
+        const __m128i s8 = _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * hf));
+        sc[i] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8)), pick);
     }
+    /* (q - 32) * x pair sums as q*x - 32*x in int16 (|.| <= 2 * 63 * 128), then the
+     * sub-blocks' scales in the pairwise add to int32 */
+    for (int j = 0; j < T; j++)
+        o[j] = _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv[j]);
+    for (int j = 0; j < T; j++)
+        for (int i = 0; i < R; i++)
+            p[j * R + i] = _mm256_madd_epi16(
+                _mm256_sub_epi16(_mm256_maddubs_epi16(q[i], xv[j]), o[j]), sc[i]);
     return _mm256_cvtepi32_ps(ks_hsum8x8_avx2(p));
 }
 
@@ -469,8 +458,8 @@ KS_INLINE void ks_kq_isum(const int kind, const int R, const int T, const uint8_
 #endif
 
 /* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or (NEON prefill)
- * 4 x 2. Rows
- * >= rv / tokens >= tv repeat the last valid one (their lanes are computed and dropped).
+ * 4 x 2 (AVX2: Q6_K, 8 x 1 only). Rows >= rv / tokens >= tv repeat the last valid one (their
+ * lanes are computed and dropped).
  * xs: the tokens' block sums (ks_q8_block_sums; Q4_K, Q5_K). pf (or NULL): superblock sb
  * prefetches the pf_step bytes at pf + sb * pf_step, an eighth per block. */
 KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_t *w,
@@ -483,7 +472,7 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
     ks_kq_tile_ptrs_of(R, T, w, w_stride, rv, x, xd, xs, NULL, tv, nsb * 8, &P);
     const uint8_t *const *wp = P.w;
     const int8_t *const *xp = P.x;
-    const float *const *dp = P.xd, *const *sp = P.xs;
+    const float *const *dp = P.xd;
 #if defined(KS_AVX2)
     __m256 acc = _mm256_setzero_ps();
 #else
@@ -503,17 +492,11 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
             const ks_f8 d = ds[kind == KS_KQ_Q6K ? 0 : s];
             if (pf)      /* an eighth of the superblock's slice per block: spread requests */
                 ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8);
-#if defined(KS_AVX2)
-            const __m256 isum = ks_kq_isum(kind, R, T, wp, off, s, xp, b);
+#if defined(KS_AVX2)      /* Q6_K only */
+            const __m256 isum = ks_q6k_isum_avx2(R, T, wp, off, s, xp, b);
             const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
                                              dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
             acc = ks_fmadd_avx2(isum, _mm256_mul_ps(d, dx), acc);
-            if (kind != KS_KQ_Q6K) {
-                const __m256 sx = _mm256_setr_ps(sp[0 / R][b], sp[1 / R][b], sp[2 / R][b],
-                                                 sp[3 / R][b], sp[4 / R][b], sp[5 / R][b],
-                                                 sp[6 / R][b], sp[7 / R][b]);
-                acc = ks_fmadd_avx2(sx, _mm256_mul_ps(dm[s], dx), acc);
-            }
 #else
             float32x4_t is[2];
             ks_kq_isum(kind, R, T, wp, off, s, xp, b, is);
@@ -521,7 +504,7 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
                 const float dx = dp[4 * h / R][b];
                 acc[h] = vfmaq_f32(acc[h], is[h], vmulq_n_f32(d.val[h], dx));
                 if (kind != KS_KQ_Q6K)   /* fma(xsum, dm * dx, acc) */
-                    acc[h] = vfmaq_n_f32(acc[h], vmulq_n_f32(dm[s].val[h], dx), sp[4 * h / R][b]);
+                    acc[h] = vfmaq_n_f32(acc[h], vmulq_n_f32(dm[s].val[h], dx), P.xs[4 * h / R][b]);
             }
 #endif
         }
@@ -536,7 +519,7 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
 
 #if defined(KS_AVX2)
 /* ---- x86: 8-row tiles on transposed codes (ks_kq_tile8.h), AVX2 and VNNI ----------------- */
-/* -32 * the sum of each 16-value half block of x (nb blocks), for Q6_K's vpdpbusd sums */
+/* -32 * the sum of each 16-value half block of x (nb blocks): where Q6_K's tile sums start */
 static inline void ks_q8_half_sums_x32(const int8_t *restrict x, int nb, int32_t *restrict xh)
 {
     for (int h = 0; h < 2 * nb; h++) {
@@ -569,8 +552,10 @@ KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
 #endif
 #endif /* KS_AVX2 */
 
-/* Same contract as ks_kq_matmul_rows_plain. Decode: 8 x 1 tiles; prefill: on x86 the 8-row
- * tiles of ks_kq_tile8.h, on NEON 4 x 2 tiles. */
+/* Same contract as ks_kq_matmul_rows_plain. On x86 the 8-row tiles of ks_kq_tile8.h, but for
+ * Q6_K decode on AVX2: its codes are built per row, so one token pays a transpose per block
+ * that the 8 x 1 tile with horizontal sums avoids (measured faster there by bench/kernels.py).
+ * NEON: decode in 8 x 1 tiles, prefill in 4 x 2. */
 KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_stride,
                                  const int8_t *xq, const float *xd, int n, int k, float *out,
                                  int m, int r0, int r1)
@@ -581,6 +566,12 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_str
     if (ks_use_vnni()) {
         (kind == KS_KQ_Q4K ? ks_q4k_matmul_rows_vnni : kind == KS_KQ_Q5K ? ks_q5k_matmul_rows_vnni
                            : ks_q6k_matmul_rows_vnni)(w, w_stride, xq, xd, n, k, out, m, r0, r1);
+        return;
+    }
+#endif
+#if defined(KS_AVX2)
+    if (n > 1 || kind != KS_KQ_Q6K) {
+        ks_kq_matmul_rows_avx2(kind, w, w_stride, xq, xd, n, k, out, m, r0, r1);
         return;
     }
 #endif
@@ -598,9 +589,7 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_str
         }
         return;
     }
-#if defined(KS_AVX2)
-    ks_kq_matmul_rows_avx2(kind, w, w_stride, xq, xd, n, k, out, m, r0, r1);
-#else
+#if !defined(KS_AVX2)
     float xs[KS_PREFILL_TOKEN_BLOCK * nb];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
