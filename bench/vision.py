@@ -22,13 +22,20 @@ first request is a prefix miss (asserted), and runs in the in-process `Engine`:
 The median of `--reps` repetitions is reported, after one warm-up request that pages the
 weights in; RSS after load, after that first request and after the first prefix hit.
 
-There is no llama.cpp column yet (kestreld.model.convert_vl could write the text GGUF +
-mmproj pair llama.cpp needs; bench/mmproj_vs_mtmd.py compares the two engines' image
-embeddings on a small model).
+llama.cpp beside it, in the same run and on the same files: the cached Q8_0 text GGUF +
+mmproj pair that Kestrel maps (kestreld.model.convert_vl writes it in llama.cpp's layout;
+bench/mmproj_vs_mtmd.py checks that both encoders agree), through llama-cpp-python's libllama
+and libmtmd, chunk by chunk as llama-server evaluates a prompt, with its repacking on, flash
+attention on and n_batch = n_ubatch = 2048. Each repetition asks Kestrel, then llama.cpp,
+the same two questions on the same image; llama.cpp's second request keeps the KV up to the
+image's end (llama-server's cache_prompt). `--no-llamacpp` (or no llama-cpp-python
+installed) measures Kestrel alone.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib.util
 import json
 import os
 import shutil
@@ -313,16 +320,156 @@ def ask(engine, image: bytes, text: str, max_tokens: int) -> dict:
             else float("nan")}
 
 
-def repetition(engine, seed: int) -> dict:
-    """Preprocessing alone, request 1 (a miss) and request 2 (same image: a hit)."""
+def repetition(engine, seed: int, llama=None) -> tuple[dict, dict | None]:
+    """Preprocessing alone, request 1 (a miss) and request 2 (same image: a hit), for
+    Kestrel and then (if given) llama.cpp."""
     image = test_image(seed, IMAGE_SIDE, IMAGE_SIDE, "JPEG")
     decode_ms, prep_ms = preprocess_ms(engine, image)
     first = ask(engine, image, QUESTION_1, DECODE_TOKENS)
     assert first["cached_tokens"] == 0 and first["encoded"] == 1, first
     second = ask(engine, image, QUESTION_2, 1)
     assert second["encoded"] == 0 and second["cached_tokens"] >= second["image_end"], second
-    return {"image_bytes": len(image), "decode_ms": decode_ms, "preprocess_ms": prep_ms,
+    ours = {"image_bytes": len(image), "decode_ms": decode_ms, "preprocess_ms": prep_ms,
             "first": first, "second": second}
+    if llama is None:
+        return ours, None
+    theirs = {"first": llama.ask(image, seed, mtmd_prompt(QUESTION_1), DECODE_TOKENS),
+              "second": llama.ask(image, seed, mtmd_prompt(QUESTION_2), 1)}
+    assert theirs["first"]["encoded"] == 1 and theirs["second"]["encoded"] == 0, theirs
+    return ours, theirs
+
+
+def mtmd_prompt(text: str) -> str:
+    """The chat prompt of `question` as llama.cpp's mtmd takes it: its media marker where the
+    template puts <|vision_start|><|image_pad|><|vision_end|> (mtmd adds those two itself)."""
+    from llama_cpp import mtmd_cpp as mtmd
+    marker = mtmd.mtmd_default_marker().decode()
+    return f"<|im_start|>user\n{marker}{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+class LlamaCppVL:
+    """llama.cpp on the same text GGUF + mmproj pair: llama-cpp-python's libllama for the
+    language model and its libmtmd (clip.cpp) for the image, driven chunk by chunk as
+    llama-server does, so the encode, the prefill and the decode are timed apart. The KV
+    after the image is kept for the next question on the same image (llama-server's
+    cache_prompt)."""
+    name = "llama.cpp"
+
+    def __init__(self, text: str, mmproj: str, threads: int, n_ctx: int, n_batch: int = 2048):
+        import llama_cpp
+        from llama_cpp import mtmd_cpp as mtmd
+        from common import open_llama
+        self.lc, self.mtmd, self.n_batch = llama_cpp, mtmd, n_batch
+        # llama.cpp's own errors only (its model and clip loaders log hundreds of lines)
+        self._log = llama_cpp.llama_log_callback(
+            lambda level, text, _: level == 3 and sys.stderr.write(text.decode(errors="replace")))
+        for set_log in (llama_cpp.llama_log_set, mtmd.mtmd_log_set, mtmd.mtmd_helper_log_set):
+            set_log(self._log, None)
+        self.llm = open_llama(text, True, n_threads=threads, n_threads_batch=threads,
+                              n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, flash_attn=True,
+                              seed=0, verbose=False)
+        self.lctx, self.vocab = self.llm._ctx.ctx, self.llm.n_vocab()
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu, params.n_threads, params.warmup = False, threads, False
+        self.mctx = mtmd.mtmd_init_from_file(mmproj.encode(), self.llm._model.model, params)
+        if not self.mctx:
+            raise RuntimeError(f"llama.cpp's mtmd cannot load {mmproj}")
+        self.batch = llama_cpp.llama_batch_init(1, 0, 1)
+        self.image_id = None            # the image whose KV ends at self.image_end
+        self.image_end = 0
+
+    def _chunks(self, image: bytes, prompt: str):
+        """mtmd's chunks of the prompt (its media marker where the image goes)."""
+        mtmd = self.mtmd
+        buf = (ctypes.c_uint8 * len(image)).from_buffer_copy(image)
+        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.mctx, buf, len(image), False)
+        chunks = mtmd.mtmd_input_chunks_init()
+        raw = prompt.encode()
+        text = mtmd.mtmd_input_text(raw, len(raw), False, True)   # no BOS; special tokens parsed
+        if mtmd.mtmd_tokenize(self.mctx, chunks, ctypes.byref(text),
+                              (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) != 0:
+            raise RuntimeError("mtmd_tokenize failed")
+        mtmd.mtmd_bitmap_free(bitmap)
+        return chunks
+
+    def _argmax(self) -> int:
+        ptr = self.lc.llama_get_logits_ith(self.lctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(self.vocab,)).argmax())
+
+    def _decode_one(self, tok: int, pos: int) -> None:
+        b = self.batch
+        b.n_tokens = 1
+        b.token[0], b.pos[0], b.n_seq_id[0], b.logits[0] = tok, pos, 1, True
+        b.seq_id[0][0] = 0
+        if self.lc.llama_decode(self.lctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def ask(self, image: bytes, image_id: int, prompt: str, max_tokens: int) -> dict:
+        """One request: its figures as bench/vision.py's `ask` reports them."""
+        mtmd = self.mtmd
+        t0 = time.perf_counter()
+        chunks = self._chunks(image, prompt)
+        tokenize_ms = (time.perf_counter() - t0) * 1e3
+        n_chunks = mtmd.mtmd_input_chunks_size(chunks)
+        kinds = [mtmd.mtmd_input_chunk_get_type(mtmd.mtmd_input_chunks_get(chunks, i))
+                 for i in range(n_chunks)]
+        img = kinds.index(mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE)
+        hit = self.image_id == image_id
+        mem = self.lc.llama_get_memory(self.lctx)
+        if hit:                          # keep the KV up to the image's end
+            self.lc.llama_memory_seq_rm(mem, 0, self.image_end, -1)
+        else:
+            self.lc.llama_memory_clear(mem, True)
+        n_past, new = (self.image_end if hit else 0), self.lc.llama_pos(0)
+        encode_ms = prefill_ms = 0.0
+        visual = prefilled = cached = 0
+        t1 = time.perf_counter()
+        for i in range(img + 1 if hit else 0, n_chunks):
+            chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+            n_tok = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+            if i == img:
+                visual = n_tok
+                t = time.perf_counter()
+                if mtmd.mtmd_encode_chunk(self.mctx, chunk) != 0:
+                    raise RuntimeError("mtmd_encode_chunk failed")
+                encode_ms += (time.perf_counter() - t) * 1e3
+                t = time.perf_counter()
+                rc = mtmd.mtmd_helper_decode_image_chunk(
+                    self.mctx, self.lctx, chunk, mtmd.mtmd_get_output_embd(self.mctx), n_past, 0,
+                    self.n_batch, ctypes.byref(new), mtmd.mtmd_helper_post_decode_callback(0),
+                    None)
+            else:
+                t = time.perf_counter()
+                rc = mtmd.mtmd_helper_eval_chunk_single(self.mctx, self.lctx, chunk, n_past, 0,
+                                                        self.n_batch, i == n_chunks - 1,
+                                                        ctypes.byref(new))
+            if rc != 0:
+                raise RuntimeError(f"llama.cpp could not evaluate chunk {i}")
+            tok = self._argmax() if i == n_chunks - 1 else None   # waits for the pass
+            prefill_ms += (time.perf_counter() - t) * 1e3
+            prefilled += n_tok
+            n_past = new.value
+            if i == img:
+                self.image_id, self.image_end = image_id, n_past
+        if hit:
+            cached = sum(mtmd.mtmd_input_chunk_get_n_tokens(mtmd.mtmd_input_chunks_get(chunks, i))
+                         for i in range(img + 1))
+        ttft_ms = (time.perf_counter() - t1) * 1e3
+        t = time.perf_counter()
+        for _ in range(max_tokens - 1):
+            self._decode_one(tok, n_past)
+            n_past += 1
+            tok = self._argmax()
+        decode_ms = (time.perf_counter() - t) * 1e3
+        mtmd.mtmd_input_chunks_free(chunks)
+        return {"chat_prompt_ms": tokenize_ms, "prompt_tokens": cached + prefilled,
+                "cached_tokens": cached, "prefill_tokens": prefilled, "visual_tokens": visual,
+                "encoded": int(not hit), "encode_ms": encode_ms, "prefill_ms": prefill_ms,
+                "prefill_tps": prefilled / (prefill_ms / 1e3), "ttft_ms": ttft_ms,
+                "request_ttft_ms": tokenize_ms + ttft_ms,
+                "decode_tps": (max_tokens - 1) / (decode_ms / 1e3) if max_tokens > 1
+                else float("nan")}
+
 
 
 def median(reps: list, *keys) -> float:
@@ -333,31 +480,54 @@ def median(reps: list, *keys) -> float:
     return statistics.median(get(r) for r in reps)
 
 
-def table(reps: list, res: dict) -> str:
+def table(reps: list, res: dict, theirs: list | None = None) -> str:
+    """The Markdown table of the medians; with llama.cpp's repetitions, its column and the
+    ratio (Kestrel's speed over llama.cpp's: > 1 where Kestrel is faster)."""
     m = lambda *k: median(reps, *k)  # noqa: E731
-    rows = [
-        ("image", f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG, {m('image_bytes') / 1e3:.0f} kB"),
-        ("visual tokens (28 x 28 patches, merged 2 x 2)", f"{m('first', 'visual_tokens'):.0f}"),
-        ("image decode / preprocess ms", f"{m('decode_ms'):.1f} / {m('preprocess_ms'):.1f}"),
-        ("vision encode ms", f"{m('first', 'encode_ms'):.0f}"),
-        ("request 1: prompt tokens (image + question)", f"{m('first', 'prompt_tokens'):.0f}"),
-        ("request 1: prefill ms (language model)", f"{m('first', 'prefill_ms'):.0f}"),
-        ("request 1: prefill tok/s", f"{m('first', 'prefill_tps'):.1f}"),
-        ("request 1: TTFT ms (preprocess + encode + prefill)", f"{m('first', 'request_ttft_ms'):.0f}"),
-        (f"request 1: decode tok/s ({DECODE_TOKENS} tokens)", f"{m('first', 'decode_tps'):.2f}"),
-        ("request 2, same image: cached / prefilled tokens",
-         f"{m('second', 'cached_tokens'):.0f} / {m('second', 'prefill_tokens'):.0f}"),
-        ("request 2: vision encode ms (skipped)", f"{m('second', 'encode_ms'):.1f}"),
-        ("request 2: TTFT ms (preprocess + prefill)", f"{m('second', 'request_ttft_ms'):.0f}"),
-        ("TTFT request 1 / request 2",
-         f"{m('first', 'request_ttft_ms') / m('second', 'request_ttft_ms'):.1f}x"),
-        ("one-time conversion to the cached Q8_0 pair s (0: cached)", f"{res['convert_s']:.1f}"),
-        ("load s (cached pair, mapped) / RSS after load MB", f"{res['load_s']:.1f} / {res['rss_load']:.0f}"),
-        ("RSS after 1st request / after 1st prefix hit MB",
-         f"{res['rss_first']:.0f} / {res['rss_hit']:.0f}"),
+    t = (lambda *k: median(theirs, *k)) if theirs else None  # noqa: E731
+    # label, Kestrel's value, llama.cpp's (None: not measured), "time" / "rate" (for the ratio)
+    measured = [
+        ("vision encode ms", ("first", "encode_ms"), "{:.0f}", "time"),
+        ("request 1: prompt tokens (image + question)", ("first", "prompt_tokens"), "{:.0f}", None),
+        ("request 1: prefill ms (language model)", ("first", "prefill_ms"), "{:.0f}", "time"),
+        ("request 1: prefill tok/s", ("first", "prefill_tps"), "{:.1f}", "rate"),
+        ("request 1: TTFT ms (preprocess + encode + prefill)", ("first", "request_ttft_ms"),
+         "{:.0f}", "time"),
+        (f"request 1: decode tok/s ({DECODE_TOKENS} tokens)", ("first", "decode_tps"), "{:.2f}",
+         "rate"),
+        ("request 2, same image: cached tokens", ("second", "cached_tokens"), "{:.0f}", None),
+        ("request 2: prefilled tokens", ("second", "prefill_tokens"), "{:.0f}", None),
+        ("request 2: TTFT ms (preprocess + prefill)", ("second", "request_ttft_ms"), "{:.0f}",
+         "time"),
     ]
-    return "\n".join(["| Qwen3-VL, one image + a question | Kestrel |", "|---|---:|"]
-                     + [f"| {a} | {b} |" for a, b in rows])
+    rows = [
+        ("image", f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG, {m('image_bytes') / 1e3:.0f} kB", "", ""),
+        ("visual tokens (28 x 28 patches, merged 2 x 2)", f"{m('first', 'visual_tokens'):.0f}",
+         f"{t('first', 'visual_tokens'):.0f}" if t else "", ""),
+        ("image decode / preprocess ms", f"{m('decode_ms'):.1f} / {m('preprocess_ms'):.1f}", "", ""),
+    ]
+    for label, keys, fmt, kind in measured:
+        ours = m(*keys)
+        other = t(*keys) if t else None
+        ratio = "" if other is None or kind is None else \
+            f"{(other / ours if kind == 'time' else ours / other):.2f}"
+        rows.append((label, fmt.format(ours), "" if other is None else fmt.format(other), ratio))
+    rows += [
+        ("TTFT request 1 / request 2",
+         f"{m('first', 'request_ttft_ms') / m('second', 'request_ttft_ms'):.1f}x",
+         f"{t('first', 'request_ttft_ms') / t('second', 'request_ttft_ms'):.1f}x" if t else "", ""),
+        ("one-time conversion to the cached Q8_0 pair s (0: cached)", f"{res['convert_s']:.1f}", "", ""),
+        ("load s (cached pair, mapped) / RSS after load MB",
+         f"{res['load_s']:.1f} / {res['rss_load']:.0f}",
+         f"{res['llama_load_s']:.1f} / -" if t else "", ""),
+        ("RSS after 1st request / after 1st prefix hit MB",
+         f"{res['rss_first']:.0f} / {res['rss_hit']:.0f}", "", ""),
+    ]
+    if not theirs:
+        return "\n".join(["| Qwen3-VL, one image + a question | Kestrel |", "|---|---:|"]
+                         + [f"| {a} | {b} |" for a, b, _, _ in rows])
+    return "\n".join(["| Qwen3-VL, one image + a question | Kestrel | llama.cpp | Kestrel / llama.cpp |",
+                      "|---|---:|---:|---:|"] + [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows])
 
 
 def parse_args(argv=None):
@@ -367,6 +537,7 @@ def parse_args(argv=None):
     p.add_argument("--max-seq", type=int, default=8192, help="KV arena tokens (default 8192)")
     p.add_argument("--small", action="store_true",
                    help="a small Qwen3-VL (4 + 4 layers): checks the harness works")
+    p.add_argument("--no-llamacpp", action="store_true", help="measure Kestrel alone")
     return p.parse_args(argv)
 
 
@@ -381,7 +552,7 @@ def main(argv=None) -> int:
     path = model_dir(cache, shapes)
     print(f"{shapes.name}: {path}", file=sys.stderr)
     t0 = time.perf_counter()
-    cached_qwen3vl_pair(path, cache)     # as kestreld does: converted once, then mapped
+    text, mmproj = cached_qwen3vl_pair(path, cache)   # as kestreld does: converted once, mapped
     convert_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = Engine(load_model(path, cache_dir=cache), max_seq=args.max_seq, threads=args.threads)
@@ -393,21 +564,35 @@ def main(argv=None) -> int:
     res["rss_hit"] = rss_mb()
     print(f"  first request (cold): encode {first['encode_ms']:.0f} ms, prefill "
           f"{first['prefill_tps']:.1f} tok/s, decode {first['decode_tps']:.2f} tok/s", file=sys.stderr)
-    reps = []
+    llama = None
+    if not args.no_llamacpp and importlib.util.find_spec("llama_cpp") is not None:
+        t0 = time.perf_counter()     # after Kestrel's RSS figures: one process holds both
+        llama = LlamaCppVL(text, mmproj, args.threads, args.max_seq)
+        res["llama_load_s"] = time.perf_counter() - t0
+        llama.ask(warm, 0, mtmd_prompt(QUESTION_1), DECODE_TOKENS)
+    elif not args.no_llamacpp:
+        print("llama-cpp-python is not installed: only Kestrel is measured", file=sys.stderr)
+    reps, theirs = [], []
     for rep in range(args.reps):
-        r = repetition(engine, seed=1 + rep)
+        r, o = repetition(engine, seed=1 + rep, llama=llama)
         reps.append(r)
         f, s = r["first"], r["second"]
         print(f"  rep {rep + 1}/{args.reps}: encode {f['encode_ms']:.0f} ms, prefill "
               f"{f['prefill_tps']:.1f} tok/s, decode {f['decode_tps']:.2f} tok/s, hit TTFT "
               f"{s['request_ttft_ms']:.0f} ms (cached {s['cached_tokens']})", file=sys.stderr)
-    print(f"\n{shapes.name} (random weights, Q8_0 after load), threads {args.threads}, "
-          f"median of {args.reps}, max_seq {args.max_seq}, greedy, ignore_eos")
-    print("No llama.cpp reference: llama.cpp needs an mmproj GGUF for the vision tower, and "
-          "there is none for a random-weight model.\n")
-    print(table(reps, res))
+        if o:
+            theirs.append(o)
+            f, s = o["first"], o["second"]
+            print(f"     llama.cpp: encode {f['encode_ms']:.0f} ms, prefill {f['prefill_tps']:.1f} "
+                  f"tok/s, decode {f['decode_tps']:.2f} tok/s, hit TTFT {s['request_ttft_ms']:.0f} "
+                  f"ms (cached {s['cached_tokens']})", file=sys.stderr)
+    print(f"\n{shapes.name} (random weights, the Q8_0 pair), threads {args.threads}, "
+          f"median of {args.reps}, max_seq = n_ctx = {args.max_seq}, greedy, ignore_eos")
+    if llama:
+        print("llama.cpp: llama-cpp-python's libllama + libmtmd on the same pair, repacking on, "
+              "flash attention on, n_batch = n_ubatch = 2048\n")
+    print(table(reps, res, theirs or None))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

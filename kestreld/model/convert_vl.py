@@ -45,9 +45,13 @@ OUTTYPES = {"f32": (QT.F32, gguf.LlamaFileType.ALL_F32),
             "q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
 LAYER_ROLES = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "ffn_norm",
                "w_gate", "w_up", "w_down")
-# Tensors kept at 16 bits when the matrices are quantized: the patch kernel's rows are p = 16
-# values (no whole Q8_0 block), and the learned position grid is interpolated, not multiplied.
-_FLOAT_VISION = PATCH_KERNELS + ("v.position_embd.weight",)
+# Tensors kept in float when the matrices are quantized: the patch kernel's rows are p = 16
+# values (no whole Q8_0 block), so F16; the learned position grid is interpolated, not
+# multiplied, and llama.cpp's mtmd interpolates only F32 (ggml_interpolate), so F32.
+_F16_VISION = PATCH_KERNELS
+_F32_VISION = ("v.position_embd.weight",)
+# What the cached pair is made as: a new value re-converts older caches once.
+_PAIR_LAYOUT = {"position_embd": "f32"}
 
 
 def convert_qwen3vl(hf_dir: str, out_dir: str, outtype: str = "f16") -> tuple[str, str]:
@@ -68,13 +72,13 @@ def cached_qwen3vl_pair(hf_dir: str, cache_dir: str) -> tuple[str, str]:
     cached_conversion). Raises OSError if cache_dir is not writable."""
     stem = cache_stem(hf_dir)
     names = [f"{stem}.Q8_0.gguf", f"mmproj-{stem}.Q8_0.gguf"]
-    found = find_cached(hf_dir, cache_dir, names)
+    found = find_cached(hf_dir, cache_dir, names, _PAIR_LAYOUT)
     if found:
         return found[0], found[1]
     src = _open_qwen3vl(hf_dir)
     log.info("converting %s to a Q8_0 GGUF + mmproj pair once, into %s", hf_dir, cache_dir)
     text, mmproj = cached_conversion(hf_dir, cache_dir, names,
-                                     lambda paths: _write_pair(src, *paths, "q8_0"))
+                                     lambda paths: _write_pair(src, *paths, "q8_0"), _PAIR_LAYOUT)
     return text, mmproj
 
 
@@ -205,9 +209,9 @@ def _write(w: gguf.GGUFWriter, tensors, qtype) -> None:
 
 
 def _tensor_type(name: str, arr: np.ndarray, qtype):
-    if arr.ndim == 1 or qtype == QT.F32:
+    if arr.ndim == 1 or qtype == QT.F32 or name in _F32_VISION:
         return QT.F32
-    if name in _FLOAT_VISION:
+    if name in _F16_VISION:
         return QT.F16
     if qtype == QT.Q8_0 and arr.shape[-1] % gguf.GGML_QUANT_SIZES[QT.Q8_0][0]:
         return QT.F16
