@@ -69,8 +69,8 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
                 const int8_t *xb = xp[j] + b * KS_QK;
                 const __m256 dx = _mm256_set1_ps(dp[j][b]);
                 if (kind == KS_KQ_Q6K) {
-                    const __m256i sa = KS_T8_DOT(_mm256_set1_epi32(hp[j][2 * b]), codes, xb, 0, 4);
-                    const __m256i sbh = KS_T8_DOT(_mm256_set1_epi32(hp[j][2 * b + 1]), codes, xb, 4, 8);
+                    const __m256i sa = KS_T8_DOT(_mm256_set1_epi32(hp[j][2 * b]), codes, xb, 0, 4, 2);
+                    const __m256i sbh = KS_T8_DOT(_mm256_set1_epi32(hp[j][2 * b + 1]), codes, xb, 4, 8, 2);
                     /* scales 2s, 2s + 1: bytes 2 (s % 2), +1 of dword s / 2, sign-extended */
                     const __m256i sw = sc6[s / 2];
                     const __m256i sca = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 16 * (s % 2)), 24);
@@ -79,7 +79,7 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
                                                           _mm256_mullo_epi32(sbh, scb));
                     acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[0], dx), acc[j]);
                 } else {
-                    const __m256i isum = KS_T8_DOT(_mm256_setzero_si256(), codes, xb, 0, 8);
+                    const __m256i isum = KS_T8_DOT(_mm256_setzero_si256(), codes, xb, 0, 8, 2);
                     acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[s], dx), acc[j]);
                     acc[j] = ks_fmadd_avx2(_mm256_set1_ps(sp[j][b]), _mm256_mul_ps(dm[s], dx), acc[j]);
                 }

@@ -193,11 +193,11 @@ KS_INLINE __m256i ks_q5_bits8(__m256i qh, const int s)
 }
 
 /* The unsigned codes q of one block of 8 rows (blk[i], packed bytes at blk[i] + Q), lane i
- * belonging to row i: lo[q] lane i = row i's values 4q..4q+3, hi[q] its values 16+4q..16+4q+3
- * (the prefill tile's operands, ks_q4_tile8.h). */
-KS_INLINE void ks_q4x_codes8(const int f, const uint8_t *const blk[8], const int Q,
-                             __m256i lo[4], __m256i hi[4])
+ * belonging to row i: c8[q] lane i = row i's values 4q..4q+3 (q < 8; the low nibbles are
+ * c8[0..3], the high ones c8[4..7]): the 8-row tile's operands, ks_q4_tile8.h. */
+KS_INLINE void ks_q4x_codes8(const int f, const uint8_t *const blk[8], const int Q, __m256i c8[8])
 {
+    __m256i *lo = c8, *hi = c8 + 4;
     const __m256i low = _mm256_set1_epi8(15);
     __m256i r[4], t[4];
     /* rows i and i + 4 in the two halves; then a 4 x 4 dword transpose in each half */

@@ -34,14 +34,14 @@ KS_T8_FN void KS_T8(ks_q4x_tile)(const int f, const uint8_t *w, int64_t w_stride
         acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk[8];
-        __m256i lo[4], hi[4];
+        __m256i c[8];
         uint16_t h[8], hm[8];
         for (int i = 0; i < 8; i++) {
             blk[i] = wp[i] + (int64_t)b * B;
             h[i] = ks_load_u16le(blk[i]);
             hm[i] = f == KS_Q4X_Q4_1 ? ks_load_u16le(blk[i] + 2) : 0;
         }
-        ks_q4x_codes8(f, blk, Q, lo, hi);
+        ks_q4x_codes8(f, blk, Q, c);
         const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
             h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
         const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi16(
@@ -49,8 +49,7 @@ KS_T8_FN void KS_T8(ks_q4x_tile)(const int f, const uint8_t *w, int64_t w_stride
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
             __m256i s = _mm256_set1_epi32(-ks_q4x_code_offset(f) * sp[j][b]);
-            s = KS_T8_DOT(s, lo, xb, 0, 4);
-            s = KS_T8_DOT(s, hi, xb + 16, 0, 4);
+            s = KS_T8_DOT(s, c, xb, 0, 8, f == KS_Q4X_Q5_0 ? 4 : 8);   /* codes <= 31, <= 15 */
             const __m256 dx = _mm256_set1_ps(dp[j][b]);
             acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[j]);
             if (f == KS_Q4X_Q4_1)

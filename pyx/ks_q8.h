@@ -178,15 +178,17 @@ KS_INLINE __m256i ks_bcast_chunk(const int8_t *p)
 }
 
 /* acc + the exact products of u[q] (unsigned bytes; lane i: row i's 4 bytes of chunk q) with
- * x's chunk q broadcast, for q0 <= q < q1 (an even count): row i's sums in lane i. Two chunks'
- * maddubs pair sums are added in int16 before widening, which is exact for codes u <= 63 and
- * |x| <= 127: 2 * 2 * 63 * 127 < 2^15. ks_dot_chunks_vnni is its one-instruction twin. */
+ * x's chunk q broadcast, for q0 <= q < q1 (a multiple of g): row i's sums in lane i. The
+ * maddubs pair sums of g chunks are added in int16 before widening, which is exact while
+ * 2g * (largest code) * 127 < 2^15 (|x| <= 127): g = 2 for codes <= 63, 4 for <= 31, 8 for
+ * <= 15. ks_dot_chunks_vnni is its one-instruction-per-chunk twin (g unused). */
 KS_INLINE __m256i ks_dot_chunks_avx2(__m256i acc, const __m256i *u, const int8_t *x, int q0,
-                                     int q1)
+                                     int q1, const int g)
 {
-    for (int q = q0; q < q1; q += 2) {
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[q], ks_bcast_chunk(x + 4 * q)),
-                                           _mm256_maddubs_epi16(u[q + 1], ks_bcast_chunk(x + 4 * q + 4)));
+    for (int q = q0; q < q1; q += g) {
+        __m256i p = _mm256_maddubs_epi16(u[q], ks_bcast_chunk(x + 4 * q));
+        for (int e = 1; e < g; e++)
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[q + e], ks_bcast_chunk(x + 4 * (q + e))));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
     }
     return acc;
@@ -420,8 +422,10 @@ static inline int ks_set_vnni(int on)
 
 /* ks_dot_chunks_avx2 in one instruction per chunk (vpdpbusd: unsigned u times signed x) */
 KS_VNNI_TARGET static inline __attribute__((always_inline))
-__m256i ks_dot_chunks_vnni(__m256i acc, const __m256i *u, const int8_t *x, int q0, int q1)
+__m256i ks_dot_chunks_vnni(__m256i acc, const __m256i *u, const int8_t *x, int q0, int q1,
+                           const int g)
 {
+    (void)g;
     for (int q = q0; q < q1; q++)
         acc = _mm256_dpbusd_epi32(acc, u[q], ks_bcast_chunk(x + 4 * q));
     return acc;
@@ -463,8 +467,8 @@ void ks_q8_tile_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
             /* two chains, so that consecutive vpdpbusd do not wait on each other */
-            const __m256i s0 = ks_dot_chunks_vnni(_mm256_set1_epi32(sp[j][b]), c, xb, 0, 4);
-            const __m256i s1 = ks_dot_chunks_vnni(_mm256_setzero_si256(), c, xb, 4, 8);
+            const __m256i s0 = ks_dot_chunks_vnni(_mm256_set1_epi32(sp[j][b]), c, xb, 0, 4, 1);
+            const __m256i s1 = ks_dot_chunks_vnni(_mm256_setzero_si256(), c, xb, 4, 8, 1);
             const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
             const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dp[j][b]));
             acc[j] = ks_fmadd_avx2(isum, d, acc[j]);
