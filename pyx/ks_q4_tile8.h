@@ -4,7 +4,8 @@
  * AVX512-VNNI (chosen at run time), with
  *     KS_T8(name)      the name of a function for that instruction set
  *     KS_T8_FN         its attributes (the VNNI copy carries the target)
- *     KS_T8_DOT        acc + chunk products, lane by lane (ks_dot_chunks_avx2 / _vnni)
+ *     KS_T8_DOT        acc + chunk products, lane by lane (ks_dot_chunks_avx2 / _vnni; the
+ *                      last argument: how many chunks AVX2 may sum in int16)
  *     KS_T8_TOKENS     the tokens of a tile
  * (undefined again at the end of this file).
  * A tile is 8 rows x KS_T8_TOKENS tokens with lane i of every vector belonging to row i, as in
