@@ -378,6 +378,13 @@ class LlamaCppVL:
         self.image_id = None            # the image whose KV ends at self.image_end
         self.image_end = 0
 
+    def close(self) -> None:
+        """Free llama.cpp's contexts and model while the log callback above still exists
+        (llama.cpp logs as it frees)."""
+        self.mtmd.mtmd_free(self.mctx)
+        self.lc.llama_batch_free(self.batch)
+        self.llm.close()
+
     def _chunks(self, image: bytes, prompt: str):
         """mtmd's chunks of the prompt (its media marker where the image goes)."""
         mtmd = self.mtmd
@@ -592,6 +599,8 @@ def main(argv=None) -> int:
         print("llama.cpp: llama-cpp-python's libllama + libmtmd on the same pair, repacking on, "
               "flash attention on, n_batch = n_ubatch = 2048\n")
     print(table(reps, res, theirs or None))
+    if llama:
+        llama.close()
     return 0
 
 if __name__ == "__main__":

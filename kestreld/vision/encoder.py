@@ -67,7 +67,9 @@ class Linear:
     def __init__(self, w: np.ndarray, b: np.ndarray):
         self.b = np.ascontiguousarray(b, np.float32)
         self.rows, self.cols = w.shape
-        self.wt = np.ascontiguousarray(w.T, np.float32)
+        # W.T as a view: BLAS takes a transposed operand as it is, and a contiguous copy of
+        # the transpose cost seconds at load for the mergers' 4096 x 4096 matrices
+        self.wt = np.ascontiguousarray(w, np.float32).T
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out (n, rows) = x (n, cols) @ W.T + b; returns out."""
