@@ -131,32 +131,25 @@ KS_PLAIN_MATMUL_ROWS(ks_q5_0_matmul_rows_plain, ks_q4x_step_Q5_0)
 #endif
 
 #if defined(KS_AVX2)
-/* Two 16-byte halves side by side: [a | b], or a in both when `same`. */
-KS_INLINE __m256i ks_pair128_avx2(const uint8_t *a, const uint8_t *b, const int same)
-{
-    const __m128i lo = _mm_loadu_si128((const __m128i *)a);
-    return same ? _mm256_broadcastsi128_si256(lo)
-                : _mm256_inserti128_si256(_mm256_castsi128_si256(lo),
-                                          _mm_loadu_si128((const __m128i *)b), 1);
-}
-
 /* The unsigned q (0..15, Q5_0 0..31) of two blocks a and b side by side (one 128-bit half
  * each): lo = [a's values 0..15 | b's 0..15], hi = [a's 16..31 | b's 16..31]. The packed bytes
  * of both go in one register, so a block costs no shuffle to unpack. */
-KS_INLINE void ks_q4x_pair_avx2(const int f, const uint8_t *a, const uint8_t *b, const int same,
-                                __m256i *lo, __m256i *hi)
+KS_INLINE void ks_q4x_pair_avx2(const int f, const uint8_t *a, const uint8_t *b, __m256i *lo,
+                                __m256i *hi)
 {
     const int Q = ks_q4x_qs_offset(f);
-    const __m256i qs = ks_pair128_avx2(a + Q, b + Q, same), low = _mm256_set1_epi8(15);
+    const __m256i qs = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + Q))),
+        _mm_loadu_si128((const __m128i *)(b + Q)), 1);
+    const __m256i low = _mm256_set1_epi8(15);
     *lo = _mm256_and_si256(qs, low);
     *hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low);
     if (f == KS_Q4X_Q5_0) {
         /* byte j of a half = byte j / 8 of its block's qh (bits 0..15 for lo, 16..31 for hi);
          * 16 where bit j % 8 of it is set */
-        const __m128i qa = _mm_set1_epi32((int)ks_load_u32le(a + 2));
-        const __m256i qh = same ? _mm256_broadcastsi128_si256(qa)
-                                : _mm256_inserti128_si256(_mm256_castsi128_si256(qa),
-                                                          _mm_set1_epi32((int)ks_load_u32le(b + 2)), 1);
+        const __m256i qh = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_set1_epi32((int)ks_load_u32le(a + 2))),
+            _mm_set1_epi32((int)ks_load_u32le(b + 2)), 1);
         const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
         const __m256i sixteen = _mm256_set1_epi8(16);
         const __m256i s0 = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(
@@ -254,9 +247,8 @@ KS_INLINE void ks_q4x_codes_neon(const int f, const uint8_t *blk, int8x16_t *c0,
 
 #endif
 
-/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or (NEON prefill)
- * 4 x 2; rows and
- * tokens as ks_tile_inputs. xs: the tile's first token's block sums, nb per token (used
+/* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 (decode; the only
+ * tile AVX2 takes here) or 4 x 2 (NEON prefill); rows and tokens as ks_tile_inputs. xs: the tile's first token's block sums, nb per token (used
  * where KS_Q4X_NEEDS_XSUM). pf (or NULL): block b prefetches
  * pf + b * pf_step, pf_step bytes (see ks_prefetch_rows). */
 KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t *w,
@@ -271,8 +263,7 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
     const int32_t *sp[8];
     ks_tile_inputs(R, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
 #if defined(KS_AVX2)
-    /* vector v holds the pairs (lanes) v and v + 4: for 8 x 1 rows v and v + 4, for 4 x 2 row v
-     * with tokens 0 and 1 */
+    /* decode, 8 x 1: vector v holds rows v and v + 4, the token's block in both halves */
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -285,12 +276,11 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
             hm[i] = f == KS_Q4X_Q4_1 ? ks_load_u16le(wp[i] + (int64_t)b * B + 2) : 0;
         }
         for (int v = 0; v < 4; v++)
-            ks_q4x_pair_avx2(f, wp[v % R] + (int64_t)b * B, wp[(v + 4) % R] + (int64_t)b * B,
-                             R == 4, &lo[v], &hi[v]);
-        const __m256i x0 = ks_pair128_avx2((const uint8_t *)(xp[0] + b * KS_QK),
-                                           (const uint8_t *)(xp[4 / R] + b * KS_QK), T == 1);
-        const __m256i x1 = ks_pair128_avx2((const uint8_t *)(xp[0] + b * KS_QK + 16),
-                                           (const uint8_t *)(xp[4 / R] + b * KS_QK + 16), T == 1);
+            ks_q4x_pair_avx2(f, wp[v] + (int64_t)b * B, wp[v + 4] + (int64_t)b * B, &lo[v], &hi[v]);
+        const __m256i x0 = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(xp[0] + b * KS_QK)));
+        const __m256i x1 = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(xp[0] + b * KS_QK + 16)));
         /* q <= 31 and |x| <= 127: maddubs' pair sums, and the sum of two, stay below 2^15 */
         for (int v = 0; v < 4; v++)
             p[v] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[v], x0),
