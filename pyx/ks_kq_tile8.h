@@ -2,20 +2,22 @@
  *
  * Written once, compiled twice: ks_kquants.h includes this file once for AVX2 (all but Q6_K
  * decode) and once for AVX512-VNNI (chosen at run time; decode and prefill), with
- * KS_T8(name), KS_T8_FN, KS_T8_DOT and KS_T8_TOKENS as ks_q4_tile8.h describes. A tile is 8
- * rows x T tokens, lane i of every vector belonging to row i. The rows' 32 code bytes of a
- * block (or block pair; Q6_K's built row by row first) are transposed as 8 x 8 dwords, so
- * that a token's broadcast 4-byte chunk times them adds row i's chunk product into lane i: no
- * horizontal adds, and the codes are unsigned, as maddubs and vpdpbusd want them (Q6_K's -32
- * comes in as the sum's start, -32 * the half-block's sum of x). The float side is
- * ks_kquants.h's contract per block, in order: bit-identical. */
+ * KS_T8(name), KS_T8_FN, KS_T8_DOT and KS_T8_TOKENS as ks_q4_tile8.h describes, and
+ * KS_T8_SCALED: 1 where the Q6_K scales go into maddwd's pairwise adds (AVX2, whose vpmulld
+ * takes the multiply port twice), 0 where the sums are multiplied by them (VNNI: vpdpbusd has
+ * no pairwise step). A tile is 8 rows x T tokens, lane i of every vector belonging to row i.
+ * The rows' 32 code bytes of a block (or block pair; Q6_K's built row by row first) are
+ * transposed as 8 x 8 dwords, so that a token's broadcast 4-byte chunk times them adds row
+ * i's chunk product into lane i: no horizontal adds, and the codes are unsigned, as maddubs
+ * and vpdpbusd want them (Q6_K's -32 comes in as -32 * the half-block's sum of x). The float
+ * side is ks_kquants.h's contract per block, in order: bit-identical. */
 
 /* res[j * 8 + i] = out value for row i, token j; rows >= rv / tokens >= tv repeat the last
- * valid one. xs: the tokens' block sums (Q4_K, Q5_K); xh[t * 2nb + 2b + h]: -32 * the sum of
- * half h of block b (Q6_K). pf: as in ks_kq_tile. */
+ * valid one. xs: the tokens' block sums (Q4_K, Q5_K); xh[t * 2nb + 2b + h]: the sum of half h
+ * of block b (Q6_K). pf: as in ks_kq_tile. */
 KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, int64_t w_stride,
                                 int rv, const int8_t *x, const float *xd, const float *xs,
-                                const int32_t *xh, int tv, int nsb, float *res,
+                                const int16_t *xh, int tv, int nsb, float *res,
                                 const uint8_t *pf, int64_t pf_step)
 {
     const int bytes = ks_kq_bytes(kind);
@@ -24,7 +26,7 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
     const uint8_t *const *wp = P.w;
     const int8_t *const *xp = P.x;
     const float *const *dp = P.xd, *const *sp = P.xs;
-    const int32_t *const *hp = P.xh;
+    const int16_t *const *hp = P.xh;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[KS_T8_TOKENS];
     for (int j = 0; j < T; j++)
@@ -47,11 +49,25 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
             __m256i codes[8];
             if (pf)
                 ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8);
+            __m256i sca, scb;   /* Q6_K: block s's two scales */
+#if KS_T8_SCALED
+            __m256i sab;
+#endif
             if (kind == KS_KQ_Q6K) {   /* each row's 32 codes of block s, then transposed */
                 __m256i r[8];
                 for (int i = 0; i < 8; i++)
                     r[i] = ks_q6k_codes_avx2(wp[i] + off, s);
                 ks_transpose8x8_epi32(r, codes);
+                /* scales 2s, 2s + 1: bytes 2 (s % 2), +1 of dword s / 2, sign-extended */
+                const __m256i sw = sc6[s / 2];
+                sca = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 16 * (s % 2)), 24);
+                scb = _mm256_srai_epi32(_mm256_slli_epi32(sw, 16 - 16 * (s % 2)), 24);
+#if KS_T8_SCALED                /* as int16 pairs: (a, a), (b, b) and (a, b) */
+                const __m256i lo = _mm256_set1_epi32(0xffff);
+                sab = _mm256_or_si256(_mm256_and_si256(sca, lo), _mm256_slli_epi32(scb, 16));
+                sca = _mm256_or_si256(_mm256_and_si256(sca, lo), _mm256_slli_epi32(sca, 16));
+                scb = _mm256_or_si256(_mm256_and_si256(scb, lo), _mm256_slli_epi32(scb, 16));
+#endif
             } else {
                 const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
                 if (s % 2 == 0)
@@ -69,14 +85,22 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
                 const int8_t *xb = xp[j] + b * KS_QK;
                 const __m256 dx = _mm256_set1_ps(dp[j][b]);
                 if (kind == KS_KQ_Q6K) {
-                    const __m256i sa = KS_T8_DOT(_mm256_set1_epi32(hp[j][2 * b]), codes, xb, 0, 4, 2);
-                    const __m256i sbh = KS_T8_DOT(_mm256_set1_epi32(hp[j][2 * b + 1]), codes, xb, 4, 8, 2);
-                    /* scales 2s, 2s + 1: bytes 2 (s % 2), +1 of dword s / 2, sign-extended */
-                    const __m256i sw = sc6[s / 2];
-                    const __m256i sca = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 16 * (s % 2)), 24);
-                    const __m256i scb = _mm256_srai_epi32(_mm256_slli_epi32(sw, 16 - 16 * (s % 2)), 24);
+#if KS_T8_SCALED
+                    /* sca * (q . x) + scb * (...) in the pairwise adds, then the -32 offset as
+                     * 32 * (sca * half sum a + scb * half sum b): one more pairwise add */
+                    int32_t hh;
+                    memcpy(&hh, hp[j] + 2 * b, 4);
+                    const __m256i dot = ks_dot_chunks_scaled_avx2(
+                        ks_dot_chunks_scaled_avx2(_mm256_setzero_si256(), codes, xb, 0, 4, 2, sca),
+                        codes, xb, 4, 8, 2, scb);
+                    const __m256i isum = _mm256_sub_epi32(dot, _mm256_slli_epi32(
+                        _mm256_madd_epi16(sab, _mm256_set1_epi32(hh)), 5));
+#else
+                    const __m256i sa = KS_T8_DOT(_mm256_set1_epi32(-32 * hp[j][2 * b]), codes, xb, 0, 4, 2);
+                    const __m256i sbh = KS_T8_DOT(_mm256_set1_epi32(-32 * hp[j][2 * b + 1]), codes, xb, 4, 8, 2);
                     const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sa, sca),
                                                           _mm256_mullo_epi32(sbh, scb));
+#endif
                     acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[0], dx), acc[j]);
                 } else {
                     const __m256i isum = KS_T8_DOT(_mm256_setzero_si256(), codes, xb, 0, 8, 2);
@@ -100,12 +124,12 @@ KS_T8_FN void KS_T8(ks_kq_matmul_rows)(const int kind, const uint8_t *w, int64_t
     const int nb = k / KS_QK, nsb = k / KS_QK_K, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
     const int q6 = kind == KS_KQ_Q6K;
     float xs[q6 ? 1 : tblock * nb], res[8 * T];    /* the sums each type needs */
-    int32_t xh[q6 ? tblock * 2 * nb : 1];
+    int16_t xh[q6 ? tblock * 2 * nb : 1];
     for (int tb = 0; tb < n; tb += tblock) {
         const int te = tb + tblock < n ? tb + tblock : n;
         for (int t = tb; t < te; t++) {
             if (kind == KS_KQ_Q6K)
-                ks_q8_half_sums_x32(xq + (int64_t)t * k, nb, xh + (t - tb) * 2 * nb);
+                ks_q8_half_sums(xq + (int64_t)t * k, nb, xh + (t - tb) * 2 * nb);
             else
                 ks_q8_block_sums(xq + (int64_t)t * k, nb, xs + (t - tb) * nb);
         }
@@ -136,3 +160,4 @@ KS_T8_FN void KS_T8(ks_kq_matmul_rows)(const int kind, const uint8_t *w, int64_t
 #undef KS_T8_FN
 #undef KS_T8_DOT
 #undef KS_T8_TOKENS
+#undef KS_T8_SCALED

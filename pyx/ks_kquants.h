@@ -208,12 +208,12 @@ typedef struct {
     const uint8_t *w[8];
     const int8_t *x[8];
     const float *xd[8], *xs[8];
-    const int32_t *xh[8];
+    const int16_t *xh[8];
 } ks_kq_tile_ptrs;
 
 KS_INLINE void ks_kq_tile_ptrs_of(const int R, const int T, const uint8_t *w, int64_t w_stride,
                                   int rv, const int8_t *x, const float *xd, const float *xs,
-                                  const int32_t *xh, int tv, int nb, ks_kq_tile_ptrs *P)
+                                  const int16_t *xh, int tv, int nb, ks_kq_tile_ptrs *P)
 {
     for (int i = 0; i < R; i++)
         P->w[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
@@ -519,26 +519,29 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
 
 #if defined(KS_AVX2)
 /* ---- x86: 8-row tiles on transposed codes (ks_kq_tile8.h), AVX2 and VNNI ----------------- */
-/* -32 * the sum of each 16-value half block of x (nb blocks): where Q6_K's tile sums start */
-static inline void ks_q8_half_sums_x32(const int8_t *restrict x, int nb, int32_t *restrict xh)
+/* The sum of each 16-value half block of x (nb blocks; |sum| <= 16 * 127): Q6_K's code offset
+ * -32 times it is part of each half's exact sum */
+static inline void ks_q8_half_sums(const int8_t *restrict x, int nb, int16_t *restrict xh)
 {
     for (int h = 0; h < 2 * nb; h++) {
         int32_t s = 0;
         for (int e = 0; e < 16; e++)
             s += x[h * 16 + e];
-        xh[h] = -32 * s;
+        xh[h] = (int16_t)s;
     }
 }
 
 #define KS_T8(name) name##_avx2
 #define KS_T8_FN KS_INLINE
 #define KS_T8_DOT ks_dot_chunks_avx2
+#define KS_T8_SCALED 1          /* scales in the pairwise adds (vpmulld is slow) */
 #define KS_T8_TOKENS 8          /* the unpacked block feeds 8 tokens (spilling, but faster than 4) */
 #include "ks_kq_tile8.h"
 #if defined(KS_HAVE_VNNI)
 #define KS_T8(name) name##_vnni
 #define KS_T8_FN KS_VNNI_TARGET static inline __attribute__((always_inline))
 #define KS_T8_DOT ks_dot_chunks_vnni
+#define KS_T8_SCALED 0
 #define KS_T8_TOKENS 4
 #include "ks_kq_tile8.h"
 

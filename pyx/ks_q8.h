@@ -181,17 +181,25 @@ KS_INLINE __m256i ks_bcast_chunk(const int8_t *p)
  * x's chunk q broadcast, for q0 <= q < q1 (a multiple of g): row i's sums in lane i. The
  * maddubs pair sums of g chunks are added in int16 before widening, which is exact while
  * 2g * (largest code) * 127 < 2^15 (|x| <= 127): g = 2 for codes <= 63, 4 for <= 31, 8 for
- * <= 15. ks_dot_chunks_vnni is its one-instruction-per-chunk twin (g unused). */
-KS_INLINE __m256i ks_dot_chunks_avx2(__m256i acc, const __m256i *u, const int8_t *x, int q0,
-                                     int q1, const int g)
+ * <= 15. ks_dot_chunks_vnni is its one-instruction-per-chunk twin (g unused). The scaled form
+ * widens with the int16 pair sc instead of 1 (each lane's int16 halves hold its row's scale), so
+ * the products come out times a per-row scale at no extra multiply. */
+KS_INLINE __m256i ks_dot_chunks_scaled_avx2(__m256i acc, const __m256i *u, const int8_t *x,
+                                            int q0, int q1, const int g, __m256i sc)
 {
     for (int q = q0; q < q1; q += g) {
         __m256i p = _mm256_maddubs_epi16(u[q], ks_bcast_chunk(x + 4 * q));
         for (int e = 1; e < g; e++)
             p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[q + e], ks_bcast_chunk(x + 4 * (q + e))));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
     }
     return acc;
+}
+
+KS_INLINE __m256i ks_dot_chunks_avx2(__m256i acc, const __m256i *u, const int8_t *x, int q0,
+                                     int q1, const int g)
+{
+    return ks_dot_chunks_scaled_avx2(acc, u, x, q0, q1, g, _mm256_set1_epi16(1));
 }
 #else
 /* 4 int32 partial sums of w . x for one block (two 16-byte halves). */
