@@ -203,7 +203,7 @@ static inline void ks_q8_block_sums(const int8_t *restrict x, int nb, float *res
 
 /* A tile's rows and its tokens' activations, scales and sums (nb blocks a row); rows >= rv
  * and tokens >= tv repeat the last valid one (their lanes are computed and dropped). xs: the
- * tokens' block sums (Q4_K, Q5_K), xh: their half-block sums (Q6_K, VNNI), or NULL. */
+ * tokens' block sums (Q4_K, Q5_K), xh: their half-block sums (Q6_K, the 8-row tiles), or NULL. */
 typedef struct {
     const uint8_t *w[8];
     const int8_t *x[8];
