@@ -48,7 +48,8 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
             const int b = sb * 8 + s;
             __m256i codes[8];
             if (pf)
-                ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8);
+                ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8,
+                                 KS_PREFETCH_L2 && kind == KS_KQ_Q6K);
             __m256i sca, scb;   /* Q6_K: block s's two scales */
 #if KS_T8_SCALED
             __m256i sab;

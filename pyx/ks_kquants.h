@@ -491,7 +491,8 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
             const int b = sb * 8 + s;
             const ks_f8 d = ds[kind == KS_KQ_Q6K ? 0 : s];
             if (pf)      /* an eighth of the superblock's slice per block: spread requests */
-                ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8);
+                ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8,
+                                 KS_PREFETCH_L2 && kind == KS_KQ_Q6K);
 #if defined(KS_AVX2)      /* Q6_K only */
             const __m256 isum = ks_q6k_isum_avx2(R, T, wp, off, s, xp, b);
             const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],

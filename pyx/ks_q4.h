@@ -270,7 +270,7 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
         __m256i lo[4], hi[4], p[4];
         uint16_t h[8], hm[8];
         if (pf)
-            ks_prefetch_rows(pf + b * pf_step, pf_step);
+            ks_prefetch_rows(pf + b * pf_step, pf_step, 0);
         for (int i = 0; i < R; i++) {
             h[i] = ks_load_u16le(wp[i] + (int64_t)b * B);
             hm[i] = f == KS_Q4X_Q4_1 ? ks_load_u16le(wp[i] + (int64_t)b * B + 2) : 0;
@@ -312,7 +312,7 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
         int8x16_t w0[8], w1[8];
         uint64_t h[8], hm[8];
         if (pf)
-            ks_prefetch_rows(pf + b * pf_step, pf_step);
+            ks_prefetch_rows(pf + b * pf_step, pf_step, 0);
         for (int i = 0; i < R; i++) {
             const uint8_t *blk = wp[i] + (int64_t)b * B;
             ks_q4x_codes_neon(f, blk, &w0[i], &w1[i]);

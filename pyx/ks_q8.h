@@ -252,11 +252,23 @@ KS_INLINE float32x4_t ks_f16x4_neon(uint64_t h0, uint64_t h1, uint64_t h2, uint6
  * each weight once: a single thread's demand misses alone keep too few lines in flight to
  * stream from DRAM at full speed. The decode tile asks, block by block, for its slice of the
  * next tile, so the requests are spread over the computation (all of the next tile up front
- * stalls on the fill buffers). Measured effect: README, "Speed". */
-static inline void ks_prefetch_rows(const uint8_t *p, int64_t n)
+ * stalls on the fill buffers). to_l2: into L2 only (prefetcht1), for the types with the most
+ * bytes per value (Q8_0, Q6_K), whose tiles consume bytes faster than L1's few miss buffers
+ * bring them from DRAM; else into L1. KS_PREFETCH_L2 says where that was measured to win (x86;
+ * on the A76 not measured yet, so NEON keeps L1). Measured effect: README, "Speed". */
+#if defined(KS_AVX2)
+#define KS_PREFETCH_L2 1
+#else
+#define KS_PREFETCH_L2 0
+#endif
+KS_INLINE void ks_prefetch_rows(const uint8_t *p, int64_t n, const int to_l2)
 {
-    for (int64_t o = 0; o < n; o += 64)
-        __builtin_prefetch(p + o, 0, 3);
+    for (int64_t o = 0; o < n; o += 64) {
+        if (to_l2)
+            __builtin_prefetch(p + o, 0, 2);
+        else
+            __builtin_prefetch(p + o, 0, 3);
+    }
 }
 
 /* A tile's R rows (wp) and T tokens (activations xp, scales dp and, with xs, block sums sp);
@@ -294,7 +306,7 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
         __m256i wv[8], aw[8], xv[8], p[8];
         uint16_t h[8];
         if (pf)
-            ks_prefetch_rows(pf + b * pf_step, pf_step);
+            ks_prefetch_rows(pf + b * pf_step, pf_step, KS_PREFETCH_L2);
         for (int i = 0; i < R; i++) {
             wv[i] = _mm256_loadu_si256((const __m256i *)(wp[i] + b * KS_QBLOCK + 2));
             aw[i] = _mm256_sign_epi8(wv[i], wv[i]);
@@ -317,7 +329,7 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
     float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
     for (int b = 0; b < nb; b++) {
         if (pf)
-            ks_prefetch_rows(pf + b * pf_step, pf_step);
+            ks_prefetch_rows(pf + b * pf_step, pf_step, 0);
         int8x16_t w0[8], w1[8];
         uint64_t h[8];
         float32x4_t is[2];
