@@ -119,6 +119,7 @@ def test_restore_after_restart_equals_recompute(model, tmp_path):
         np.testing.assert_array_equal(a[:, :, :len(valid)], b[:, :, :len(valid)])
     fresh = engine(model, prefix_kv=False).generate(turn3, GREEDY)
     assert fresh.cached_tokens == 0 and c3.ids == fresh.ids
+    settle(e2.disk_kv)                                 # turn 3's delta is written in the background
     s = e2.disk_kv.stats()
     assert (s["hits"], s["misses"], s["files"]) == (1, 0, 3)
     assert s["bytes_read"] == full.stat().st_size + delta.stat().st_size
