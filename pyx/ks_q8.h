@@ -254,8 +254,8 @@ KS_INLINE float32x4_t ks_f16x4_neon(uint64_t h0, uint64_t h1, uint64_t h2, uint6
  * next tile, so the requests are spread over the computation (all of the next tile up front
  * stalls on the fill buffers). to_l2: into L2 only (prefetcht1), for the types with the most
  * bytes per value (Q8_0, Q6_K), whose tiles consume bytes faster than L1's few miss buffers
- * bring them from DRAM; else into L1. KS_PREFETCH_L2 says where that was measured to win (x86;
- * on the A76 not measured yet, so NEON keeps L1). Measured effect: README, "Speed". */
+ * bring them from DRAM; else into L1. KS_PREFETCH_L2: on for x86 (measured on Zen 4), off on
+ * NEON (not measured on the A76 yet). Measured effect: README, "Speed". */
 #if defined(KS_AVX2)
 #define KS_PREFETCH_L2 1
 #else
