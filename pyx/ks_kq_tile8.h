@@ -49,7 +49,7 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
             __m256i codes[8];
             if (pf)
                 ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8,
-                                 KS_PREFETCH_L2 && kind == KS_KQ_Q6K);
+                                 ks_kq_prefetch_l2(kind));
             __m256i sca, scb;   /* Q6_K: block s's two scales */
 #if KS_T8_SCALED
             __m256i sab;

@@ -48,6 +48,13 @@ static inline int ks_kq_bytes(int kind)
     return kind == KS_KQ_Q4K ? KS_Q4K_BYTES : kind == KS_KQ_Q5K ? KS_Q5K_BYTES : KS_Q6K_BYTES;
 }
 
+/* Whether a decode tile of this type prefetches into L2 (ks_prefetch_rows): Q6_K, the K type
+ * with the most bytes per value. */
+static inline int ks_kq_prefetch_l2(int kind)
+{
+    return KS_PREFETCH_L2 && kind == KS_KQ_Q6K;
+}
+
 /* ---- unpacking (shared by the dequantization and every product path) --------------------- */
 
 /* Q4_K / Q5_K: the 6-bit scales and mins of the 8 sub-blocks from their 12 packed bytes
@@ -492,7 +499,7 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
             const ks_f8 d = ds[kind == KS_KQ_Q6K ? 0 : s];
             if (pf)      /* an eighth of the superblock's slice per block: spread requests */
                 ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8,
-                                 KS_PREFETCH_L2 && kind == KS_KQ_Q6K);
+                                 ks_kq_prefetch_l2(kind));
 #if defined(KS_AVX2)      /* Q6_K only */
             const __m256 isum = ks_q6k_isum_avx2(R, T, wp, off, s, xp, b);
             const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],

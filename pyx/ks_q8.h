@@ -329,7 +329,7 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
     float32x4_t acc0 = vdupq_n_f32(0.0f), acc1 = vdupq_n_f32(0.0f);
     for (int b = 0; b < nb; b++) {
         if (pf)
-            ks_prefetch_rows(pf + b * pf_step, pf_step, 0);
+            ks_prefetch_rows(pf + b * pf_step, pf_step, KS_PREFETCH_L2);
         int8x16_t w0[8], w1[8];
         uint64_t h[8];
         float32x4_t is[2];
