@@ -440,15 +440,22 @@ static inline int ks_set_vnni(int on)
     return ks_vnni_state;
 }
 
-/* ks_dot_chunks_avx2 in one instruction per chunk (vpdpbusd: unsigned u times signed x) */
+/* ks_dot_chunks_avx2 in one instruction per chunk (vpdpbusd: unsigned u times signed x),
+ * the chunks alternating between two sums, so that consecutive vpdpbusd do not wait on each
+ * other's result (one chain of a block's 8 measured 4-8% slower in the K-type tiles) */
 KS_VNNI_TARGET static inline __attribute__((always_inline))
 __m256i ks_dot_chunks_vnni(__m256i acc, const __m256i *u, const int8_t *x, int q0, int q1,
                            const int g)
 {
     (void)g;
-    for (int q = q0; q < q1; q++)
-        acc = _mm256_dpbusd_epi32(acc, u[q], ks_bcast_chunk(x + 4 * q));
-    return acc;
+    __m256i odd = _mm256_setzero_si256();
+    for (int q = q0; q < q1; q++) {
+        if ((q - q0) % 2)
+            odd = _mm256_dpbusd_epi32(odd, u[q], ks_bcast_chunk(x + 4 * q));
+        else
+            acc = _mm256_dpbusd_epi32(acc, u[q], ks_bcast_chunk(x + 4 * q));
+    }
+    return _mm256_add_epi32(acc, odd);
 }
 
 /* res[j * 8 + i] = out value of row i, token j; rows >= rv / tokens >= tv repeat the last valid
@@ -486,10 +493,8 @@ void ks_q8_tile_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x
             h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
-            /* two chains, so that consecutive vpdpbusd do not wait on each other */
-            const __m256i s0 = ks_dot_chunks_vnni(_mm256_set1_epi32(sp[j][b]), c, xb, 0, 4, 1);
-            const __m256i s1 = ks_dot_chunks_vnni(_mm256_setzero_si256(), c, xb, 4, 8, 1);
-            const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+            const __m256 isum = _mm256_cvtepi32_ps(
+                ks_dot_chunks_vnni(_mm256_set1_epi32(sp[j][b]), c, xb, 0, 8, 1));
             const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dp[j][b]));
             acc[j] = ks_fmadd_avx2(isum, d, acc[j]);
         }
