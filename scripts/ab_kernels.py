@@ -1,0 +1,97 @@
+"""A/B of two builds of the kernels in one process: which of two changes to pyx/ is faster.
+
+On a shared VM the same product, timed a minute apart, can run 30-50% slower (the host's
+other work), so two builds benchmarked one after the other compare the host's moods more
+than the code. This loads both compiled modules (`kestreld/_kernels*.so` of two checkouts)
+into one process and times them alternately, call by call, on the same weights and
+activations; the best time of each over the rounds is what the code can do.
+
+    git worktree add /tmp/base HEAD && make -C /tmp/base build VENV=$PWD/.venv   # the base
+    make build                                                                  # the change
+    .venv/bin/python scripts/ab_kernels.py /tmp/base . --types Q4_K,Q6_K
+
+Products per type, one thread: prefill (64 tokens x a 4096 x 4096 matrix, GMAC/s) and decode
+(one token x 0.4 GB of rows, GB/s). `--no-vnni` takes the AVX2 paths on a VNNI CPU. Not a
+benchmark against llama.cpp (bench/ has those): a tool for deciding a kernel change.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import time
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from ggml_blocks import random_blocks  # tests/: valid blocks of every GGML type
+
+
+def load_build(tag: str, tree: str):
+    """The compiled kernels of the checkout at tree, as a module of its own."""
+    found = sorted(glob.glob(os.path.join(tree, "kestreld", "_kernels.*.so")))
+    if not found:
+        sys.exit(f"no kestreld/_kernels.*.so in {tree}: build it there first")
+    loader = importlib.machinery.ExtensionFileLoader(f"{tag}._kernels", found[0])
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
+
+
+def activations(K, rng, n: int, k: int):
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    xq, xd = np.empty((n, k), np.int8), np.empty((n, k // 32), np.float32)
+    K.quantize_q8_0(x, xq, xd, 1)
+    return xq, xd
+
+
+def best_of(builds: dict, run, rounds: int) -> dict:
+    """The best time of run(K) per build, the builds taking turns (who goes first swaps)."""
+    best = {tag: float("inf") for tag in builds}
+    order = list(builds)
+    for r in range(rounds):
+        for tag in order if r % 2 == 0 else order[::-1]:
+            t = time.perf_counter()
+            run(builds[tag])
+            best[tag] = min(best[tag], time.perf_counter() - t)
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("a", help="checkout of build A (the base)")
+    ap.add_argument("b", help="checkout of build B (the change)")
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K")
+    ap.add_argument("--rounds", type=int, default=13)
+    ap.add_argument("--no-vnni", action="store_true", help="the AVX2 paths on a VNNI CPU")
+    args = ap.parse_args(argv)
+    builds = {"A": load_build("build_a", args.a), "B": load_build("build_b", args.b)}
+    for K in builds.values():
+        K.set_matmul_vnni(not args.no_vnni)
+    rng = np.random.default_rng(0)
+    k = m = 4096
+    for name in args.types.split(","):
+        qt = QT[name]
+        block, size = GGML_QUANT_SIZES[qt]
+        w = random_blocks(rng, qt, m, k)
+        xq, xd = activations(builds["A"], rng, 64, k)
+        out = np.empty((64, m), np.float32)
+        pre = best_of(builds, lambda K: K.matmul(w, int(qt), xq, xd, out, 1), args.rounds)
+        rows = int(0.4e9 / (k // block * size)) // 8 * 8
+        wd = random_blocks(rng, qt, rows, k)
+        x1q, x1d = activations(builds["A"], rng, 1, k)
+        o1 = np.empty((1, rows), np.float32)
+        dec = best_of(builds, lambda K: K.matmul(wd, int(qt), x1q, x1d, o1, 1), args.rounds)
+        print(f"{name:5s} prefill 64: A {64 * m * k / pre['A'] / 1e9:6.1f}  "
+              f"B {64 * m * k / pre['B'] / 1e9:6.1f} GMAC/s  B/A {pre['A'] / pre['B']:.2f}   "
+              f"decode: A {wd.nbytes / dec['A'] / 1e9:5.1f}  B {wd.nbytes / dec['B'] / 1e9:5.1f} GB/s  "
+              f"B/A {dec['A'] / dec['B']:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
