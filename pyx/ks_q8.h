@@ -442,7 +442,7 @@ static inline int ks_set_vnni(int on)
 
 /* ks_dot_chunks_avx2 in one instruction per chunk (vpdpbusd: unsigned u times signed x),
  * the chunks alternating between two sums, so that consecutive vpdpbusd do not wait on each
- * other's result (one chain of a block's 8 measured 4-8% slower in the K-type tiles) */
+ * other's result (its latency is several cycles; README, "Speed", has the measured gain) */
 KS_VNNI_TARGET static inline __attribute__((always_inline))
 __m256i ks_dot_chunks_vnni(__m256i acc, const __m256i *u, const int8_t *x, int q0, int q1,
                            const int g)
