@@ -10,6 +10,7 @@ common prefix. `status.total_requests` shows what never reached the engine.
 from __future__ import annotations
 
 import json
+import signal
 import stat
 import subprocess
 import sys
@@ -58,8 +59,11 @@ class Terminal:
         self._screen = pyte.Screen(COLS, ROWS)
         self._stream = pyte.Stream(self._screen)
         self.raw = ""
+        # Ctrl-C reaches the program as at a person's terminal, even where the tests run as a
+        # background job (whose shell leaves SIGINT ignored, and the child would inherit that)
         self.child = pexpect.spawn(sys.executable, ["-m", "kestrelctl", "chat", *args], cwd=str(REPO),
-                                   env=env, encoding="utf-8", dimensions=(ROWS, COLS), timeout=120)
+                                   env=env, encoding="utf-8", dimensions=(ROWS, COLS), timeout=120,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.child.logfile_read = self
         self.prompt()
 
