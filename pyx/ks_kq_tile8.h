@@ -1,24 +1,23 @@
-/* Kestrel kernels: the 8-row tiles of Q4_K, Q5_K and Q6_K on x86 (no Python here).
+/* Kestrel kernels: the 8-row tiles of Q4_K, Q5_K and Q6_K on AVX2 (no Python here).
  *
- * Written once, compiled twice: ks_kquants.h includes this file once for AVX2 (all but Q6_K
- * decode) and once for AVX512-VNNI (chosen at run time; decode and prefill), with
- * KS_T8(name), KS_T8_FN, KS_T8_DOT and KS_T8_TOKENS as ks_q4_tile8.h describes, and
- * KS_T8_SCALED: 1 where the Q6_K scales go into maddwd's pairwise adds (AVX2, whose vpmulld
- * takes the multiply port twice), 0 where the sums are multiplied by them (VNNI: vpdpbusd has
- * no pairwise step). A tile is 8 rows x T tokens, lane i of every vector belonging to row i.
- * The rows' 32 code bytes of a block (or block pair; Q6_K's built row by row first) are
- * transposed as 8 x 8 dwords, so that a token's broadcast 4-byte chunk times them adds row
+ * Included by ks_kquants.h for x86 (all but Q6_K decode; AVX512-VNNI CPUs take the 16-row
+ * tiles of ks_kq_tile16.h). A tile is 8 rows x T tokens, lane i of every vector belonging
+ * to row i. The rows' 32 code bytes of a block (or block pair; Q6_K's built row by row first)
+ * are transposed as 8 x 8 dwords, so that a token's broadcast 4-byte chunk times them adds row
  * i's chunk product into lane i: no horizontal adds, and the codes are unsigned, as maddubs
- * and vpdpbusd want them (Q6_K's -32 comes in as -32 * the half-block's sum of x). The float
- * side is ks_kquants.h's contract per block, in order: bit-identical. */
+ * wants them (Q6_K's -32 comes in as -32 * the half-block's sum of x, and its scales go into
+ * maddwd's pairwise adds: vpmulld takes the multiply port twice). The float side is
+ * ks_kquants.h's contract per block, in order: bit-identical. */
+
+#define KS_KQ_T8_TOKENS 8       /* the unpacked block feeds 8 tokens (spilling, but faster than 4) */
 
 /* res[j * 8 + i] = out value for row i, token j; rows >= rv / tokens >= tv repeat the last
  * valid one. xs: the tokens' block sums (Q4_K, Q5_K); xh[t * 2nb + 2b + h]: the sum of half h
  * of block b (Q6_K). pf: as in ks_kq_tile. */
-KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, int64_t w_stride,
-                                int rv, const int8_t *x, const float *xd, const float *xs,
-                                const int16_t *xh, int tv, int nsb, float *res,
-                                const uint8_t *pf, int64_t pf_step)
+KS_INLINE void ks_kq_tile_avx2(const int kind, const int T, const uint8_t *w, int64_t w_stride,
+                               int rv, const int8_t *x, const float *xd, const float *xs,
+                               const int16_t *xh, int tv, int nsb, float *res,
+                               const uint8_t *pf, int64_t pf_step)
 {
     const int bytes = ks_kq_bytes(kind);
     ks_kq_tile_ptrs P;
@@ -28,7 +27,7 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
     const float *const *dp = P.xd, *const *sp = P.xs;
     const int16_t *const *hp = P.xh;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[KS_T8_TOKENS];
+    __m256 acc[KS_KQ_T8_TOKENS];
     for (int j = 0; j < T; j++)
         acc[j] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
@@ -50,10 +49,7 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
             if (pf)
                 ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8,
                                  ks_kq_prefetch_l2(kind));
-            __m256i sca, scb;   /* Q6_K: block s's two scales */
-#if KS_T8_SCALED
-            __m256i sab;
-#endif
+            __m256i sca, scb, sab;   /* Q6_K: block s's two scales, and the pair of both */
             if (kind == KS_KQ_Q6K) {   /* each row's 32 codes of block s, then transposed */
                 __m256i r[8];
                 for (int i = 0; i < 8; i++)
@@ -63,12 +59,11 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
                 const __m256i sw = sc6[s / 2];
                 sca = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 16 * (s % 2)), 24);
                 scb = _mm256_srai_epi32(_mm256_slli_epi32(sw, 16 - 16 * (s % 2)), 24);
-#if KS_T8_SCALED                /* as int16 pairs: (a, a), (b, b) and (a, b) */
+                /* as int16 pairs: (a, a), (b, b) and (a, b) */
                 const __m256i lo = _mm256_set1_epi32(0xffff);
                 sab = _mm256_or_si256(_mm256_and_si256(sca, lo), _mm256_slli_epi32(scb, 16));
                 sca = _mm256_or_si256(_mm256_and_si256(sca, lo), _mm256_slli_epi32(sca, 16));
                 scb = _mm256_or_si256(_mm256_and_si256(scb, lo), _mm256_slli_epi32(scb, 16));
-#endif
             } else {
                 const int qoff = kind == KS_KQ_Q5K ? 48 : 16;
                 if (s % 2 == 0)
@@ -86,7 +81,6 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
                 const int8_t *xb = xp[j] + b * KS_QK;
                 const __m256 dx = _mm256_set1_ps(dp[j][b]);
                 if (kind == KS_KQ_Q6K) {
-#if KS_T8_SCALED
                     /* sca * (q . x) + scb * (...) in the pairwise adds, then the -32 offset as
                      * 32 * (sca * half sum a + scb * half sum b): one more pairwise add */
                     int32_t hh;
@@ -96,15 +90,9 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
                         codes, xb, 4, 8, 2, scb);
                     const __m256i isum = _mm256_sub_epi32(dot, _mm256_slli_epi32(
                         _mm256_madd_epi16(sab, _mm256_set1_epi32(hh)), 5));
-#else
-                    const __m256i sa = KS_T8_DOT(_mm256_set1_epi32(-32 * hp[j][2 * b]), codes, xb, 0, 4, 2);
-                    const __m256i sbh = KS_T8_DOT(_mm256_set1_epi32(-32 * hp[j][2 * b + 1]), codes, xb, 4, 8, 2);
-                    const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sa, sca),
-                                                          _mm256_mullo_epi32(sbh, scb));
-#endif
                     acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[0], dx), acc[j]);
                 } else {
-                    const __m256i isum = KS_T8_DOT(_mm256_setzero_si256(), codes, xb, 0, 8, 2);
+                    const __m256i isum = ks_dot_chunks_avx2(_mm256_setzero_si256(), codes, xb, 0, 8, 2);
                     acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ds[s], dx), acc[j]);
                     acc[j] = ks_fmadd_avx2(_mm256_set1_ps(sp[j][b]), _mm256_mul_ps(dm[s], dx), acc[j]);
                 }
@@ -116,12 +104,12 @@ KS_T8_FN void KS_T8(ks_kq_tile)(const int kind, const int T, const uint8_t *w, i
 }
 
 /* The product (the contract of the plain twin): decode in 8 x 1 tiles (prefetching the
- * next), prefill in 8 x KS_T8_TOKENS. */
-KS_T8_FN void KS_T8(ks_kq_matmul_rows)(const int kind, const uint8_t *w, int64_t w_stride,
-                                       const int8_t *xq, const float *xd, int n, int k,
-                                       float *out, int m, int r0, int r1)
+ * next), prefill in 8 x KS_KQ_T8_TOKENS. */
+KS_INLINE void ks_kq_matmul_rows_avx2(const int kind, const uint8_t *w, int64_t w_stride,
+                                      const int8_t *xq, const float *xd, int n, int k,
+                                      float *out, int m, int r0, int r1)
 {
-    enum { T = KS_T8_TOKENS };
+    enum { T = KS_KQ_T8_TOKENS };
     const int nb = k / KS_QK, nsb = k / KS_QK_K, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
     const int q6 = kind == KS_KQ_Q6K;
     float xs[q6 ? 1 : tblock * nb], res[8 * T];    /* the sums each type needs */
@@ -138,7 +126,7 @@ KS_T8_FN void KS_T8(ks_kq_matmul_rows)(const int kind, const uint8_t *w, int64_t
             const int rv = r1 - r < 8 ? r1 - r : 8;
             if (n == 1) {
                 const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
-                KS_T8(ks_kq_tile)(kind, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
+                ks_kq_tile_avx2(kind, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
                                 q6 ? NULL : xs, q6 ? xh : NULL, 1, nsb, res, next,
                                 8 * w_stride / nsb);
                 ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
@@ -146,7 +134,7 @@ KS_T8_FN void KS_T8(ks_kq_matmul_rows)(const int kind, const uint8_t *w, int64_t
             }
             for (int t = tb; t < te; t += T) {
                 const int tv = te - t < T ? te - t : T;
-                KS_T8(ks_kq_tile)(kind, T, w + (int64_t)r * w_stride, w_stride, rv,
+                ks_kq_tile_avx2(kind, T, w + (int64_t)r * w_stride, w_stride, rv,
                                 xq + (int64_t)t * k, xd + (int64_t)t * nb,
                                 q6 ? NULL : xs + (t - tb) * nb,
                                 q6 ? xh + (t - tb) * 2 * nb : NULL, tv, nsb, res, NULL, 0);
@@ -155,10 +143,3 @@ KS_T8_FN void KS_T8(ks_kq_matmul_rows)(const int kind, const uint8_t *w, int64_t
         }
     }
 }
-
-/* the parameters are this instantiation's alone */
-#undef KS_T8
-#undef KS_T8_FN
-#undef KS_T8_DOT
-#undef KS_T8_TOKENS
-#undef KS_T8_SCALED

@@ -526,7 +526,8 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
 }
 
 #if defined(KS_AVX2)
-/* ---- x86: 8-row tiles on transposed codes (ks_kq_tile8.h), AVX2 and VNNI ----------------- */
+/* ---- x86: tiles on transposed codes, 8 rows on AVX2 (ks_kq_tile8.h), 16 on AVX512-VNNI
+ * (ks_kq_tile16.h) --------------------------------------------------------------------------- */
 /* The sum of each 16-value half block of x (nb blocks; |sum| <= 16 * 127): Q6_K's code offset
  * -32 times it is part of each half's exact sum */
 static inline void ks_q8_half_sums(const int8_t *restrict x, int nb, int16_t *restrict xh)
@@ -539,19 +540,9 @@ static inline void ks_q8_half_sums(const int8_t *restrict x, int nb, int16_t *re
     }
 }
 
-#define KS_T8(name) name##_avx2
-#define KS_T8_FN KS_INLINE
-#define KS_T8_DOT ks_dot_chunks_avx2
-#define KS_T8_SCALED 1          /* scales in the pairwise adds (vpmulld is slow) */
-#define KS_T8_TOKENS 8          /* the unpacked block feeds 8 tokens (spilling, but faster than 4) */
 #include "ks_kq_tile8.h"
 #if defined(KS_HAVE_VNNI)
-#define KS_T8(name) name##_vnni
-#define KS_T8_FN KS_VNNI_TARGET static inline __attribute__((always_inline))
-#define KS_T8_DOT ks_dot_chunks_vnni
-#define KS_T8_SCALED 0
-#define KS_T8_TOKENS 4
-#include "ks_kq_tile8.h"
+#include "ks_kq_tile16.h"
 
 /* one VNNI function per type (an always-inline body is specialized only where it is inlined) */
 KS_VNNI_TARGET static void ks_q4k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
@@ -563,10 +554,11 @@ KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
 #endif
 #endif /* KS_AVX2 */
 
-/* Same contract as ks_kq_matmul_rows_plain. On x86 the 8-row tiles of ks_kq_tile8.h, but for
- * Q6_K decode on AVX2: its codes are built per row, so one token pays a transpose per block
- * that the 8 x 1 tile with horizontal sums avoids (measured faster there by bench/kernels.py).
- * NEON: decode in 8 x 1 tiles, prefill in 4 x 2. */
+/* Same contract as ks_kq_matmul_rows_plain. x86: prefill on AVX512-VNNI CPUs in the 16-row
+ * tiles of ks_kq_tile16.h; else the 8-row tiles of ks_kq_tile8.h, but for Q6_K decode: its
+ * codes are built per row, so one token pays a transpose per block that the 8 x 1 tile with
+ * horizontal sums avoids (measured faster there by bench/kernels.py). NEON: decode in 8 x 1
+ * tiles, prefill in 4 x 2. */
 KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_stride,
                                  const int8_t *xq, const float *xd, int n, int k, float *out,
                                  int m, int r0, int r1)
@@ -574,7 +566,7 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_str
     const int nb = k / KS_QK, nsb = k / KS_QK_K, sums = kind != KS_KQ_Q6K;
     float res[8];
 #if defined(KS_HAVE_VNNI)
-    if (ks_use_vnni()) {
+    if (n > 1 && ks_use_vnni()) {
         (kind == KS_KQ_Q4K ? ks_q4k_matmul_rows_vnni : kind == KS_KQ_Q5K ? ks_q5k_matmul_rows_vnni
                            : ks_q6k_matmul_rows_vnni)(w, w_stride, xq, xd, n, k, out, m, r0, r1);
         return;

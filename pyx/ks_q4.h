@@ -340,19 +340,11 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 }
 
 #if defined(KS_AVX2)
-/* ---- prefill on x86: 8-row tiles on transposed codes (ks_q4_tile8.h), AVX2 and VNNI ------ */
-#define KS_T8(name) name##_avx2
-#define KS_T8_FN KS_INLINE
-#define KS_T8_DOT ks_dot_chunks_avx2
-#define KS_T8_TOKENS 8          /* unpacking costs more than Q8_0's transpose: 8 tokens share it
-                                 * (on AVX2 too, though 16 registers do not hold them all) */
+/* ---- prefill on x86: tiles on transposed codes, 8 rows on AVX2 (ks_q4_tile8.h), 16 on
+ * AVX512-VNNI (ks_q4_tile16.h) ------------------------------------------------------------- */
 #include "ks_q4_tile8.h"
 #if defined(KS_HAVE_VNNI)
-#define KS_T8(name) name##_vnni
-#define KS_T8_FN KS_VNNI_TARGET static inline __attribute__((always_inline))
-#define KS_T8_DOT ks_dot_chunks_vnni
-#define KS_T8_TOKENS 8
-#include "ks_q4_tile8.h"
+#include "ks_q4_tile16.h"
 #endif
 #endif
 
@@ -371,8 +363,9 @@ KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_Q4X_ROWS_PARAMS) { ks_q4x
 #endif
 
 /* Same contract as the plain products (KS_PLAIN_MATMUL_ROWS). Decode (n == 1): tiles of 8 rows,
- * prefetching the next tile as ks_q8.h does; prefill: on x86 the 8-row tiles of
- * ks_q4_tile8.h, on NEON tiles of 4 rows x 2 tokens. */
+ * prefetching the next tile as ks_q8.h does; prefill: on x86 the 16-row tiles of
+ * ks_q4_tile16.h (AVX512-VNNI) or the 8-row ones of ks_q4_tile8.h, on NEON tiles of 4 rows x
+ * 2 tokens. */
 static inline __attribute__((always_inline))
 void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
 {

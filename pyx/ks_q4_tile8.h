@@ -1,14 +1,7 @@
-/* Kestrel kernels: the prefill tile of Q4_0, Q4_1 and Q5_0 on x86 (no Python here).
+/* Kestrel kernels: the AVX2 prefill tile of Q4_0, Q4_1 and Q5_0 (no Python here; AVX512-VNNI
+ * CPUs take the 16-row tile of ks_q4_tile16.h).
  *
- * Written once, compiled twice: ks_q4.h includes this file once for AVX2 and once for
- * AVX512-VNNI (chosen at run time), with
- *     KS_T8(name)      the name of a function for that instruction set
- *     KS_T8_FN         its attributes (the VNNI copy carries the target)
- *     KS_T8_DOT        acc + chunk products, lane by lane (ks_dot_chunks_avx2 / _vnni; the
- *                      last argument: how many chunks AVX2 may sum in int16)
- *     KS_T8_TOKENS     the tokens of a tile
- * (undefined again at the end of this file).
- * A tile is 8 rows x KS_T8_TOKENS tokens with lane i of every vector belonging to row i, as in
+ * A tile is 8 rows x KS_Q4_T8_TOKENS tokens with lane i of every vector belonging to row i, as in
  * ks_q8.h's: a broadcast 4-byte chunk of a token times the rows' matching code bytes adds row
  * i's chunk product into lane i, so a block's 8 row sums need no horizontal adds. The packed
  * 16 bytes of the rows are transposed (8 rows x 4 dwords: half the work of transposing 32
@@ -17,13 +10,16 @@
  * start at -8 or -16 times xsum (the code offset), so they are isum. The float side is the
  * per-block fma of ks_q4.h's contract, in order: bit-identical to the plain twin. */
 
+#define KS_Q4_T8_TOKENS 8       /* unpacking costs more than Q8_0's transpose: 8 tokens share it
+                                 * (though 16 registers do not hold them all) */
+
 /* res[j * 8 + i] = out value of row i, token j; rows and tokens as ks_tile_inputs. xs: the
  * tile's first token's block sums, nb per token. */
-KS_T8_FN void KS_T8(ks_q4x_tile)(const int f, const uint8_t *w, int64_t w_stride, int rv,
-                                 const int8_t *x, const float *xd, const int32_t *xs, int tv,
-                                 int nb, float res[8 * KS_T8_TOKENS])
+KS_INLINE void ks_q4x_tile_avx2(const int f, const uint8_t *w, int64_t w_stride, int rv,
+                                const int8_t *x, const float *xd, const int32_t *xs, int tv,
+                                int nb, float res[8 * KS_Q4_T8_TOKENS])
 {
-    enum { T = KS_T8_TOKENS };
+    enum { T = KS_Q4_T8_TOKENS };
     const int B = ks_q4x_block_bytes(f), Q = ks_q4x_qs_offset(f);
     const uint8_t *wp[8];
     const int8_t *xp[T];
@@ -50,7 +46,7 @@ KS_T8_FN void KS_T8(ks_q4x_tile)(const int f, const uint8_t *w, int64_t w_stride
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
             __m256i s = _mm256_set1_epi32(-ks_q4x_code_offset(f) * sp[j][b]);
-            s = KS_T8_DOT(s, c, xb, 0, 8, f == KS_Q4X_Q5_0 ? 4 : 8);   /* codes <= 31, <= 15 */
+            s = ks_dot_chunks_avx2(s, c, xb, 0, 8, f == KS_Q4X_Q5_0 ? 4 : 8);   /* codes <= 31, <= 15 */
             const __m256 dx = _mm256_set1_ps(dp[j][b]);
             acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[j]);
             if (f == KS_Q4X_Q4_1)
@@ -64,11 +60,11 @@ KS_T8_FN void KS_T8(ks_q4x_tile)(const int f, const uint8_t *w, int64_t w_stride
 
 /* The product for n > 1 (the contract of the plain twin), in tiles of 8 rows x T tokens over
  * blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
-KS_T8_FN void KS_T8(ks_q4x_matmul_rows)(const int f, const uint8_t *w, int64_t w_stride,
-                                        const int8_t *xq, const float *xd, int n, int k,
-                                        float *out, int m, int r0, int r1)
+KS_INLINE void ks_q4x_matmul_rows_avx2(const int f, const uint8_t *w, int64_t w_stride,
+                                       const int8_t *xq, const float *xd, int n, int k,
+                                       float *out, int m, int r0, int r1)
 {
-    enum { T = KS_T8_TOKENS };
+    enum { T = KS_Q4_T8_TOKENS };
     const int nb = k / KS_QK;
     int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
     float res[8 * T];
@@ -79,17 +75,11 @@ KS_T8_FN void KS_T8(ks_q4x_matmul_rows)(const int f, const uint8_t *w, int64_t w
             const int rv = r1 - r < 8 ? r1 - r : 8;
             for (int t = tb; t < te; t += T) {
                 const int tv = te - t < T ? te - t : T;
-                KS_T8(ks_q4x_tile)(f, w + (int64_t)r * w_stride, w_stride, rv,
-                                   xq + (int64_t)t * k, xd + (int64_t)t * nb, xs + (t - tb) * nb,
-                                   tv, nb, res);
+                ks_q4x_tile_avx2(f, w + (int64_t)r * w_stride, w_stride, rv,
+                                 xq + (int64_t)t * k, xd + (int64_t)t * nb, xs + (t - tb) * nb,
+                                 tv, nb, res);
                 ks_q8_store_tile(8, T, res, out, m, r, rv, t, tv);
             }
         }
     }
 }
-
-/* the parameters are this instantiation's alone */
-#undef KS_T8
-#undef KS_T8_FN
-#undef KS_T8_DOT
-#undef KS_T8_TOKENS

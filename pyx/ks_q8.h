@@ -181,7 +181,7 @@ KS_INLINE __m256i ks_bcast_chunk(const int8_t *p)
  * x's chunk q broadcast, for q0 <= q < q1 (a multiple of g): row i's sums in lane i. The
  * maddubs pair sums of g chunks are added in int16 before widening, which is exact while
  * 2g * (largest code) * 127 < 2^15 (|x| <= 127): g = 2 for codes <= 63, 4 for <= 31, 8 for
- * <= 15. ks_dot_chunks_vnni is its one-instruction-per-chunk twin (g unused). The scaled form
+ * <= 15. ks_dot_chunks_vnni16 is its one-instruction-per-chunk twin on 16 rows. The scaled form
  * widens with the int16 pair sc instead of 1 (each lane's int16 halves hold its row's scale), so
  * the products come out times a per-row scale at no extra multiply. */
 KS_INLINE __m256i ks_dot_chunks_scaled_avx2(__m256i acc, const __m256i *u, const int8_t *x,
@@ -410,12 +410,16 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
 
 #if defined(KS_AVX2) && defined(__GNUC__)
 /* ---- prefill with AVX512-VNNI (runtime-dispatched; the build's baseline stays AVX2) --------
- * A tile of 8 rows x 4 tokens. The 8 rows' 32-byte blocks are transposed as 8 x 8 dwords, so
- * lane i of every vector belongs to row i: vpdpbusd with a broadcast 4-byte chunk of a token
- * then adds row i's chunk product into lane i, and a block's 8 exact row sums come out with no
- * horizontal adds. vpdpbusd multiplies unsigned by signed bytes: the weights are flipped to
- * w + 128 (xor 0x80) and the sum starts at -128 * sum(x) of the block, so it is exact. The
- * float side is the same fma(isum, dw * dx, acc) per block, in order: bit-identical. */
+ * A tile of 16 rows x 4 tokens in 512-bit vectors. The rows' 32-byte blocks are transposed as
+ * dwords (rows i and 8 + i in the two halves of one vector), so lane i of every vector belongs
+ * to row i: vpdpbusd with a broadcast 4-byte chunk of a token then adds row i's chunk product
+ * into lane i, and a block's 16 exact row sums come out with no horizontal adds. 16 rows a
+ * vector rather than the AVX2 tile's 8 halve the unpacking, broadcasts and float work per
+ * product (README, "Speed", has the measured gain). vpdpbusd multiplies unsigned by signed
+ * bytes: the weights are flipped to w + 128 (xor 0x80) and the sum starts at -128 * sum(x)
+ * of the block, so it is exact. The float side is the same fma(isum, dw * dx, acc) per block,
+ * in order: bit-identical. The K types' and Q4_0 family's tiles (ks_kq_tile16.h,
+ * ks_q4_tile16.h) share the helpers below. */
 #define KS_HAVE_VNNI 1
 #define KS_VNNI_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f")))
 #define KS_VNNI_TOKENS 4
@@ -440,36 +444,88 @@ static inline int ks_set_vnni(int on)
     return ks_vnni_state;
 }
 
-/* ks_dot_chunks_avx2 in one instruction per chunk (vpdpbusd: unsigned u times signed x),
- * the chunks alternating between two sums, so that consecutive vpdpbusd do not wait on each
- * other's result (its latency is several cycles; README, "Speed", has the measured gain) */
-KS_VNNI_TARGET static inline __attribute__((always_inline))
-__m256i ks_dot_chunks_vnni(__m256i acc, const __m256i *u, const int8_t *x, int q0, int q1,
-                           const int g)
+/* Lane i < 8 of every vector belongs to row i, lane 8 + i to row 8 + i, each 256-bit half
+ * laid out as the AVX2 8-row tiles'. */
+#define KS_VNNI_FN KS_VNNI_TARGET static inline __attribute__((always_inline))
+
+/* r[i] holds row i's 8 dwords in its low half and row 8 + i's in its high half; c[q] lane i
+ * = dword q of row i, i < 16: ks_transpose8x8_epi32 done on both halves at once */
+KS_VNNI_FN void ks_transpose16x8_epi32(const __m512i r[8], __m512i c[8])
 {
-    (void)g;
-    __m256i odd = _mm256_setzero_si256();
-    for (int q = q0; q < q1; q++) {
-        if ((q - q0) % 2)
-            odd = _mm256_dpbusd_epi32(odd, u[q], ks_bcast_chunk(x + 4 * q));
-        else
-            acc = _mm256_dpbusd_epi32(acc, u[q], ks_bcast_chunk(x + 4 * q));
+    __m512i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
-    return _mm256_add_epi32(acc, odd);
+    for (int g = 0; g < 2; g++) {
+        u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g + 0], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g + 0], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    /* per half: the low 128 bits of u[q] and u[4 + q], then the high ones */
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int q = 0; q < 4; q++) {
+        c[q] = _mm512_permutex2var_epi64(u[q], lo, u[4 + q]);
+        c[q + 4] = _mm512_permutex2var_epi64(u[q], hi, u[4 + q]);
+    }
 }
 
-/* res[j * 8 + i] = out value of row i, token j; rows >= rv / tokens >= tv repeat the last valid
- * one. xs[t * nb + b] = -128 * (sum of token t's block b). */
-KS_VNNI_TARGET static inline __attribute__((always_inline))
-void ks_q8_tile_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
-                     const float *xd, const int32_t *xs, int tv, int nb, float res[32])
+/* The 256-bit a in the low half, b in the high half */
+KS_VNNI_FN __m512i ks_join16(__m256i a, __m256i b)
+{
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+/* c[q] lane i = dword q of the 32 bytes at wp[i] + off, i < 16 */
+KS_VNNI_FN void ks_load16_transposed(const uint8_t *const wp[16], int64_t off, __m512i c[8])
+{
+    __m512i r[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = ks_join16(_mm256_loadu_si256((const __m256i *)(wp[i] + off)),
+                         _mm256_loadu_si256((const __m256i *)(wp[i + 8] + off)));
+    ks_transpose16x8_epi32(r, c);
+}
+
+/* ks_dot_chunks_avx2 on 16 rows in one instruction per chunk (vpdpbusd: unsigned u times
+ * signed x), the chunks alternating between two sums, so that consecutive vpdpbusd do not wait
+ * on each other's result (its latency is several cycles) */
+KS_VNNI_FN __m512i ks_dot_chunks_vnni16(__m512i acc, const __m512i *u, const int8_t *x, int q0,
+                                        int q1)
+{
+    __m512i odd = _mm512_setzero_si512();
+    for (int q = q0; q < q1; q++) {
+        int32_t v;
+        memcpy(&v, x + 4 * q, 4);
+        if ((q - q0) % 2)
+            odd = _mm512_dpbusd_epi32(odd, u[q], _mm512_set1_epi32(v));
+        else
+            acc = _mm512_dpbusd_epi32(acc, u[q], _mm512_set1_epi32(v));
+    }
+    return _mm512_add_epi32(acc, odd);
+}
+
+/* 16 fp16 values at p[i] + off -> float lanes */
+KS_VNNI_FN __m512 ks_fp16_lanes16(const uint8_t *const p[16], int64_t off)
+{
+    uint16_t h[16];
+    for (int i = 0; i < 16; i++)
+        h[i] = ks_load_u16le(p[i] + off);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+}
+
+/* res[j * 16 + i] = out value of row i, token j; rows >= rv / tokens >= tv repeat the last
+ * valid one. xs[t * nb + b] = -128 * (sum of token t's block b). */
+KS_VNNI_FN void ks_q8_tile16_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
+                                  const float *xd, const int32_t *xs, int tv, int nb, float res[64])
 {
     enum { T = KS_VNNI_TOKENS };
-    const uint8_t *wp[8];
+    const uint8_t *wp[16];
     const int8_t *xp[T];
     const float *dp[T];
     const int32_t *sp[T];
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < 16; i++)
         wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
     for (int j = 0; j < T; j++) {
         const int64_t jt = j < tv ? j : tv - 1;
@@ -477,30 +533,25 @@ void ks_q8_tile_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x
         dp[j] = xd + jt * nb;
         sp[j] = xs + jt * nb;
     }
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[T];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[T];
     for (int j = 0; j < T; j++)
-        acc[j] = _mm256_setzero_ps();
+        acc[j] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i c[8];
-        uint16_t h[8];
-        for (int i = 0; i < 8; i++)
-            h[i] = ks_load_u16le(wp[i] + b * KS_QBLOCK);
-        ks_load8_transposed(wp, b * KS_QBLOCK + 2, c);
-        for (int q = 0; q < 8; q++)      /* xor commutes with the transpose */
-            c[q] = _mm256_xor_si256(c[q], flip);
-        const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
-            h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+        __m512i c[8];
+        ks_load16_transposed(wp, b * KS_QBLOCK + 2, c);
+        for (int q = 0; q < 8; q++)
+            c[q] = _mm512_xor_si512(c[q], flip);
+        const __m512 dw = ks_fp16_lanes16(wp, b * KS_QBLOCK);
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
-            const __m256 isum = _mm256_cvtepi32_ps(
-                ks_dot_chunks_vnni(_mm256_set1_epi32(sp[j][b]), c, xb, 0, 8, 1));
-            const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dp[j][b]));
-            acc[j] = ks_fmadd_avx2(isum, d, acc[j]);
+            const __m512 isum = _mm512_cvtepi32_ps(
+                ks_dot_chunks_vnni16(_mm512_set1_epi32(sp[j][b]), c, xb, 0, 8));
+            acc[j] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, _mm512_set1_ps(dp[j][b])), acc[j]);
         }
     }
     for (int j = 0; j < T; j++)
-        _mm256_storeu_ps(res + 8 * j, acc[j]);
+        _mm512_storeu_ps(res + 16 * j, acc[j]);
 }
 
 /* ks_q8_matmul_rows for n > 1 on AVX512-VNNI CPUs. */
@@ -510,7 +561,7 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_st
 {
     const int nb = k / KS_QK;
     int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
-    float res[8 * KS_VNNI_TOKENS];
+    float res[16 * KS_VNNI_TOKENS];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         for (int t = tb; t < te; t++)
@@ -521,15 +572,13 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_st
                     sum += xb[e];
                 xs[(t - tb) * nb + b] = -128 * sum;
             }
-        for (int r = r0; r < r1; r += 8) {
-            const int rv = r1 - r < 8 ? r1 - r : 8;
+        for (int r = r0; r < r1; r += 16) {
+            const int rv = r1 - r < 16 ? r1 - r : 16;
             for (int t = tb; t < te; t += KS_VNNI_TOKENS) {
                 const int tv = te - t < KS_VNNI_TOKENS ? te - t : KS_VNNI_TOKENS;
-                ks_q8_tile_vnni(w + (int64_t)r * w_stride, w_stride, rv, xq + (int64_t)t * k,
-                                xd + (int64_t)t * nb, xs + (t - tb) * nb, tv, nb, res);
-                for (int j = 0; j < tv; j++)
-                    for (int i = 0; i < rv; i++)
-                        out[(int64_t)(t + j) * m + r + i] = res[j * 8 + i];
+                ks_q8_tile16_vnni(w + (int64_t)r * w_stride, w_stride, rv, xq + (int64_t)t * k,
+                                  xd + (int64_t)t * nb, xs + (t - tb) * nb, tv, nb, res);
+                ks_q8_store_tile(16, KS_VNNI_TOKENS, res, out, m, r, rv, t, tv);
             }
         }
     }

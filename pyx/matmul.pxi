@@ -51,7 +51,7 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
     W.data, W.row_stride, W.mat_stride = &w[0, 0], w.shape[1], 0
     W.type, W.rows, W.cols, W.n_mat = qtype, <int32_t>m, <int32_t>k, 1
     # runs of output rows, as the forward pass shares them out (the split changes no result)
-    rows_per_item = 16 if n == 1 else max(8, min(64, m // (4 * nthreads) // 8 * 8))
+    rows_per_item = 16 if n == 1 else max(16, min(64, m // (4 * nthreads) // 16 * 16))
     n_items = (m + rows_per_item - 1) // rows_per_item
     for it in prange(n_items, nogil=True, num_threads=nthreads, schedule="static"):
         r0 = it * rows_per_item
