@@ -63,18 +63,17 @@ KS_VNNI_FN void ks_kq_block16_vnni(const int kind, const int T, const int s, int
     }
 }
 
-/* res[j * 16 + i] = out value for row i, token j; rows >= rv / tokens >= tv repeat the last
- * valid one. xs, xh: as in ks_kq_tile8.h. */
-KS_VNNI_FN void ks_kq_tile16_vnni(const int kind, const uint8_t *w, int64_t w_stride, int rv,
-                                  const int8_t *x, const float *xd, const float *xs,
+/* res[j * 16 + i] = out value for row i, token j < T (a KS_VNNI_TOKENS* constant); rows >= rv /
+ * tokens >= tv repeat the last valid one. xs, xh: as in ks_kq_tile8.h. */
+KS_VNNI_FN void ks_kq_tile16_vnni(const int kind, const int T, const uint8_t *w, int64_t w_stride,
+                                  int rv, const int8_t *x, const float *xd, const float *xs,
                                   const int16_t *xh, int tv, int nsb, float *res)
 {
-    enum { T = KS_VNNI_TOKENS };
     const int bytes = ks_kq_bytes(kind), nb = nsb * 8;
     const uint8_t *wp[16];
-    const int8_t *xp[KS_VNNI_TOKENS];
-    const float *dp[KS_VNNI_TOKENS], *sp[KS_VNNI_TOKENS];
-    const int16_t *hp[KS_VNNI_TOKENS];
+    const int8_t *xp[KS_VNNI_TOKENS_WIDE];
+    const float *dp[KS_VNNI_TOKENS_WIDE], *sp[KS_VNNI_TOKENS_WIDE];
+    const int16_t *hp[KS_VNNI_TOKENS_WIDE];
     for (int i = 0; i < 16; i++)
         wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
     for (int j = 0; j < T; j++) {
@@ -84,7 +83,7 @@ KS_VNNI_FN void ks_kq_tile16_vnni(const int kind, const uint8_t *w, int64_t w_st
         sp[j] = xs ? xs + jt * nb : NULL;
         hp[j] = xh ? xh + jt * 2 * nb : NULL;
     }
-    __m512 acc[KS_VNNI_TOKENS];
+    __m512 acc[KS_VNNI_TOKENS_WIDE];
     for (int j = 0; j < T; j++)
         acc[j] = _mm512_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
@@ -131,14 +130,13 @@ KS_VNNI_FN void ks_kq_tile16_vnni(const int kind, const uint8_t *w, int64_t w_st
 }
 
 /* The product for n > 1 (the contract of the plain twin), in tiles of 16 rows x
- * KS_VNNI_TOKENS over blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
+ * KS_VNNI_TOKENS_WIDE or _NARROW tokens over blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
 KS_VNNI_FN void ks_kq_matmul_rows_vnni(const int kind, const uint8_t *w, int64_t w_stride,
                                        const int8_t *xq, const float *xd, int n, int k,
                                        float *out, int m, int r0, int r1)
 {
-    enum { T = KS_VNNI_TOKENS };
     const int nb = k / KS_QK, nsb = k / KS_QK_K, q6 = kind == KS_KQ_Q6K;
-    float xs[q6 ? 1 : KS_PREFILL_TOKEN_BLOCK * nb], res[16 * T];    /* the sums each type needs */
+    float xs[q6 ? 1 : KS_PREFILL_TOKEN_BLOCK * nb], res[16 * KS_VNNI_TOKENS_WIDE];    /* the sums each type needs */
     int16_t xh[q6 ? KS_PREFILL_TOKEN_BLOCK * 2 * nb : 1];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
@@ -150,13 +148,19 @@ KS_VNNI_FN void ks_kq_matmul_rows_vnni(const int kind, const uint8_t *w, int64_t
         }
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
-            for (int t = tb; t < te; t += T) {
+            for (int t = tb; t < te;) {
+                const int wide = te - t >= KS_VNNI_TOKENS_WIDE, T = wide ? KS_VNNI_TOKENS_WIDE : KS_VNNI_TOKENS;
                 const int tv = te - t < T ? te - t : T;
-                ks_kq_tile16_vnni(kind, w + (int64_t)r * w_stride, w_stride, rv,
-                                  xq + (int64_t)t * k, xd + (int64_t)t * nb,
-                                  q6 ? NULL : xs + (t - tb) * nb,
-                                  q6 ? xh + (t - tb) * 2 * nb : NULL, tv, nsb, res);
+                const uint8_t *wr = w + (int64_t)r * w_stride;
+                const int8_t *xt = xq + (int64_t)t * k;
+                const float *dt = xd + (int64_t)t * nb, *st = q6 ? NULL : xs + (t - tb) * nb;
+                const int16_t *ht = q6 ? xh + (t - tb) * 2 * nb : NULL;
+                if (wide)    /* each tile width its own specialized loops */
+                    ks_kq_tile16_vnni(kind, KS_VNNI_TOKENS_WIDE, wr, w_stride, rv, xt, dt, st, ht, tv, nsb, res);
+                else
+                    ks_kq_tile16_vnni(kind, KS_VNNI_TOKENS, wr, w_stride, rv, xt, dt, st, ht, tv, nsb, res);
                 ks_q8_store_tile(16, T, res, out, m, r, rv, t, tv);
+                t += T;
             }
         }
     }

@@ -53,18 +53,18 @@ KS_VNNI_FN void ks_q4x_codes16(const int f, const uint8_t *const blk[16], const 
     }
 }
 
-/* res[j * 16 + i] = out value of row i, token j; rows >= rv / tokens >= tv repeat the last
- * valid one. xs: the tile's first token's block sums, nb per token. */
-KS_VNNI_FN void ks_q4x_tile16_vnni(const int f, const uint8_t *w, int64_t w_stride, int rv,
-                                   const int8_t *x, const float *xd, const int32_t *xs, int tv,
-                                   int nb, float res[16 * KS_VNNI_TOKENS])
+/* res[j * 16 + i] = out value of row i, token j < T (KS_VNNI_TOKENS or _WIDE); rows >= rv /
+ * tokens >= tv repeat the last valid one. xs: the tile's first token's block sums, nb per
+ * token. */
+KS_VNNI_FN void ks_q4x_tile16_vnni(const int f, const int T, const uint8_t *w, int64_t w_stride,
+                                   int rv, const int8_t *x, const float *xd, const int32_t *xs,
+                                   int tv, int nb, float *res)
 {
-    enum { T = KS_VNNI_TOKENS };
     const int B = ks_q4x_block_bytes(f), Q = ks_q4x_qs_offset(f);
     const uint8_t *wp[16];
-    const int8_t *xp[T];
-    const float *dp[T];
-    const int32_t *sp[T];
+    const int8_t *xp[KS_VNNI_TOKENS_WIDE];
+    const float *dp[KS_VNNI_TOKENS_WIDE];
+    const int32_t *sp[KS_VNNI_TOKENS_WIDE];
     for (int i = 0; i < 16; i++)
         wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
     for (int j = 0; j < T; j++) {
@@ -73,7 +73,7 @@ KS_VNNI_FN void ks_q4x_tile16_vnni(const int f, const uint8_t *w, int64_t w_stri
         dp[j] = xd + jt * nb;
         sp[j] = xs + jt * nb;
     }
-    __m512 acc[T];
+    __m512 acc[KS_VNNI_TOKENS_WIDE];
     for (int j = 0; j < T; j++)
         acc[j] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -99,27 +99,33 @@ KS_VNNI_FN void ks_q4x_tile16_vnni(const int f, const uint8_t *w, int64_t w_stri
         _mm512_storeu_ps(res + 16 * j, acc[j]);
 }
 
-/* The product for n > 1 (the contract of the plain twin), in tiles of 16 rows x T tokens over
- * blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
+/* The product for n > 1 (the contract of the plain twin), in tiles of 16 rows x
+ * KS_VNNI_TOKENS_WIDE or KS_VNNI_TOKENS tokens over blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
 KS_VNNI_FN void ks_q4x_matmul_rows_vnni(const int f, const uint8_t *w, int64_t w_stride,
                                         const int8_t *xq, const float *xd, int n, int k,
                                         float *out, int m, int r0, int r1)
 {
-    enum { T = KS_VNNI_TOKENS };
     const int nb = k / KS_QK;
     int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
-    float res[16 * T];
+    float res[16 * KS_VNNI_TOKENS_WIDE];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         ks_q4x_block_sums(xq + (int64_t)tb * k, (int64_t)(te - tb) * nb, xs);
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
-            for (int t = tb; t < te; t += T) {
-                const int tv = te - t < T ? te - t : T;
-                ks_q4x_tile16_vnni(f, w + (int64_t)r * w_stride, w_stride, rv,
-                                   xq + (int64_t)t * k, xd + (int64_t)t * nb, xs + (t - tb) * nb,
-                                   tv, nb, res);
+            for (int t = tb; t < te;) {
+                const int wide = te - t >= KS_VNNI_TOKENS_WIDE;
+                const int T = wide ? KS_VNNI_TOKENS_WIDE : KS_VNNI_TOKENS, tv = te - t < T ? te - t : T;
+                const uint8_t *wr = w + (int64_t)r * w_stride;
+                const int8_t *xt = xq + (int64_t)t * k;
+                const float *dt = xd + (int64_t)t * nb;
+                const int32_t *st = xs + (t - tb) * nb;
+                if (wide)    /* each tile width its own specialized loops */
+                    ks_q4x_tile16_vnni(f, KS_VNNI_TOKENS_WIDE, wr, w_stride, rv, xt, dt, st, tv, nb, res);
+                else
+                    ks_q4x_tile16_vnni(f, KS_VNNI_TOKENS, wr, w_stride, rv, xt, dt, st, tv, nb, res);
                 ks_q8_store_tile(16, T, res, out, m, r, rv, t, tv);
+                t += T;
             }
         }
     }

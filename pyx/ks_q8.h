@@ -422,7 +422,11 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
  * ks_q4_tile16.h) share the helpers below. */
 #define KS_HAVE_VNNI 1
 #define KS_VNNI_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f")))
-#define KS_VNNI_TOKENS 4
+/* Tokens per tile: a whole token block where one is left, so each block of 16 rows is
+ * unpacked once per token block (the unpacking, not the products, is what these tiles spend
+ * most on), else 8 at a time (the last, partial block of a chunk). */
+#define KS_VNNI_TOKENS_WIDE KS_PREFILL_TOKEN_BLOCK
+#define KS_VNNI_TOKENS 8
 
 static int ks_vnni_state = -1;   /* -1 unknown; set once (racing threads write the same value) */
 
@@ -515,16 +519,16 @@ KS_VNNI_FN __m512 ks_fp16_lanes16(const uint8_t *const p[16], int64_t off)
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 }
 
-/* res[j * 16 + i] = out value of row i, token j; rows >= rv / tokens >= tv repeat the last
- * valid one. xs[t * nb + b] = -128 * (sum of token t's block b). */
-KS_VNNI_FN void ks_q8_tile16_vnni(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
-                                  const float *xd, const int32_t *xs, int tv, int nb, float res[64])
+/* res[j * 16 + i] = out value of row i, token j < T (KS_VNNI_TOKENS or _WIDE); rows >= rv /
+ * tokens >= tv repeat the last valid one. xs[t * nb + b] = -128 * (sum of token t's block b). */
+KS_VNNI_FN void ks_q8_tile16_vnni(const int T, const uint8_t *w, int64_t w_stride, int rv,
+                                  const int8_t *x, const float *xd, const int32_t *xs, int tv,
+                                  int nb, float *res)
 {
-    enum { T = KS_VNNI_TOKENS };
     const uint8_t *wp[16];
-    const int8_t *xp[T];
-    const float *dp[T];
-    const int32_t *sp[T];
+    const int8_t *xp[KS_VNNI_TOKENS_WIDE];
+    const float *dp[KS_VNNI_TOKENS_WIDE];
+    const int32_t *sp[KS_VNNI_TOKENS_WIDE];
     for (int i = 0; i < 16; i++)
         wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
     for (int j = 0; j < T; j++) {
@@ -534,7 +538,7 @@ KS_VNNI_FN void ks_q8_tile16_vnni(const uint8_t *w, int64_t w_stride, int rv, co
         sp[j] = xs + jt * nb;
     }
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[T];
+    __m512 acc[KS_VNNI_TOKENS_WIDE];
     for (int j = 0; j < T; j++)
         acc[j] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -561,7 +565,7 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_st
 {
     const int nb = k / KS_QK;
     int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
-    float res[16 * KS_VNNI_TOKENS];
+    float res[16 * KS_VNNI_TOKENS_WIDE];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         for (int t = tb; t < te; t++)
@@ -574,11 +578,19 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_st
             }
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
-            for (int t = tb; t < te; t += KS_VNNI_TOKENS) {
-                const int tv = te - t < KS_VNNI_TOKENS ? te - t : KS_VNNI_TOKENS;
-                ks_q8_tile16_vnni(w + (int64_t)r * w_stride, w_stride, rv, xq + (int64_t)t * k,
-                                  xd + (int64_t)t * nb, xs + (t - tb) * nb, tv, nb, res);
-                ks_q8_store_tile(16, KS_VNNI_TOKENS, res, out, m, r, rv, t, tv);
+            for (int t = tb; t < te;) {
+                const int wide = te - t >= KS_VNNI_TOKENS_WIDE;
+                const int T = wide ? KS_VNNI_TOKENS_WIDE : KS_VNNI_TOKENS, tv = te - t < T ? te - t : T;
+                const uint8_t *wr = w + (int64_t)r * w_stride;
+                const int8_t *xt = xq + (int64_t)t * k;
+                const float *dt = xd + (int64_t)t * nb;
+                const int32_t *st = xs + (t - tb) * nb;
+                if (wide)    /* each tile width its own specialized loops */
+                    ks_q8_tile16_vnni(KS_VNNI_TOKENS_WIDE, wr, w_stride, rv, xt, dt, st, tv, nb, res);
+                else
+                    ks_q8_tile16_vnni(KS_VNNI_TOKENS, wr, w_stride, rv, xt, dt, st, tv, nb, res);
+                ks_q8_store_tile(16, T, res, out, m, r, rv, t, tv);
+                t += T;
             }
         }
     }
