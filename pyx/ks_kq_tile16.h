@@ -74,12 +74,9 @@ KS_VNNI_FN void ks_kq_tile16_vnni(const int kind, const int T, const uint8_t *w,
     const int8_t *xp[KS_VNNI_TOKENS_WIDE];
     const float *dp[KS_VNNI_TOKENS_WIDE], *sp[KS_VNNI_TOKENS_WIDE];
     const int16_t *hp[KS_VNNI_TOKENS_WIDE];
-    for (int i = 0; i < 16; i++)
-        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
-    for (int j = 0; j < T; j++) {
+    ks_tile_inputs(16, T, w, w_stride, rv, x, xd, NULL, tv, nb, wp, xp, dp, NULL);
+    for (int j = 0; j < T; j++) {     /* the sums each type needs */
         const int64_t jt = j < tv ? j : tv - 1;
-        xp[j] = x + jt * nb * KS_QK;
-        dp[j] = xd + jt * nb;
         sp[j] = xs ? xs + jt * nb : NULL;
         hp[j] = xh ? xh + jt * 2 * nb : NULL;
     }
@@ -148,20 +145,11 @@ KS_VNNI_FN void ks_kq_matmul_rows_vnni(const int kind, const uint8_t *w, int64_t
         }
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
-            for (int t = tb; t < te;) {
-                const int wide = te - t >= KS_VNNI_TOKENS_WIDE, T = wide ? KS_VNNI_TOKENS_WIDE : KS_VNNI_TOKENS;
-                const int tv = te - t < T ? te - t : T;
-                const uint8_t *wr = w + (int64_t)r * w_stride;
-                const int8_t *xt = xq + (int64_t)t * k;
-                const float *dt = xd + (int64_t)t * nb, *st = q6 ? NULL : xs + (t - tb) * nb;
-                const int16_t *ht = q6 ? xh + (t - tb) * 2 * nb : NULL;
-                if (wide)    /* each tile width its own specialized loops */
-                    ks_kq_tile16_vnni(kind, KS_VNNI_TOKENS_WIDE, wr, w_stride, rv, xt, dt, st, ht, tv, nsb, res);
-                else
-                    ks_kq_tile16_vnni(kind, KS_VNNI_TOKENS, wr, w_stride, rv, xt, dt, st, ht, tv, nsb, res);
-                ks_q8_store_tile(16, T, res, out, m, r, rv, t, tv);
-                t += T;
-            }
+#define KS_KQ_TILE16(TT, t, tv) ks_kq_tile16_vnni(kind, TT, w + (int64_t)r * w_stride, w_stride, \
+    rv, xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, q6 ? NULL : xs + ((t) - tb) * nb,      \
+    q6 ? xh + ((t) - tb) * 2 * nb : NULL, tv, nsb, res)
+            KS_VNNI16_TOKEN_TILES(KS_KQ_TILE16)
+#undef KS_KQ_TILE16
         }
     }
 }

@@ -65,14 +65,7 @@ KS_VNNI_FN void ks_q4x_tile16_vnni(const int f, const int T, const uint8_t *w, i
     const int8_t *xp[KS_VNNI_TOKENS_WIDE];
     const float *dp[KS_VNNI_TOKENS_WIDE];
     const int32_t *sp[KS_VNNI_TOKENS_WIDE];
-    for (int i = 0; i < 16; i++)
-        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
-    for (int j = 0; j < T; j++) {
-        const int64_t jt = j < tv ? j : tv - 1;
-        xp[j] = x + jt * nb * KS_QK;
-        dp[j] = xd + jt * nb;
-        sp[j] = xs + jt * nb;
-    }
+    ks_tile_inputs(16, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
     __m512 acc[KS_VNNI_TOKENS_WIDE];
     for (int j = 0; j < T; j++)
         acc[j] = _mm512_setzero_ps();
@@ -113,20 +106,10 @@ KS_VNNI_FN void ks_q4x_matmul_rows_vnni(const int f, const uint8_t *w, int64_t w
         ks_q4x_block_sums(xq + (int64_t)tb * k, (int64_t)(te - tb) * nb, xs);
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
-            for (int t = tb; t < te;) {
-                const int wide = te - t >= KS_VNNI_TOKENS_WIDE;
-                const int T = wide ? KS_VNNI_TOKENS_WIDE : KS_VNNI_TOKENS, tv = te - t < T ? te - t : T;
-                const uint8_t *wr = w + (int64_t)r * w_stride;
-                const int8_t *xt = xq + (int64_t)t * k;
-                const float *dt = xd + (int64_t)t * nb;
-                const int32_t *st = xs + (t - tb) * nb;
-                if (wide)    /* each tile width its own specialized loops */
-                    ks_q4x_tile16_vnni(f, KS_VNNI_TOKENS_WIDE, wr, w_stride, rv, xt, dt, st, tv, nb, res);
-                else
-                    ks_q4x_tile16_vnni(f, KS_VNNI_TOKENS, wr, w_stride, rv, xt, dt, st, tv, nb, res);
-                ks_q8_store_tile(16, T, res, out, m, r, rv, t, tv);
-                t += T;
-            }
+#define KS_Q4X_TILE16(TT, t, tv) ks_q4x_tile16_vnni(f, TT, w + (int64_t)r * w_stride, w_stride, \
+    rv, xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res)
+            KS_VNNI16_TOKEN_TILES(KS_Q4X_TILE16)
+#undef KS_Q4X_TILE16
         }
     }
 }

@@ -452,6 +452,22 @@ static inline int ks_set_vnni(int on)
  * laid out as the AVX2 8-row tiles'. */
 #define KS_VNNI_FN KS_VNNI_TARGET static inline __attribute__((always_inline))
 
+/* The tiles of rows r .. r + rv - 1 over the token block [tb, te) of a product's loop (out,
+ * m, res in scope): a wide tile while a whole one is left, then narrow ones. TILE(T, t, tv)
+ * computes the tile of tokens t .. t + tv - 1 into res, T a constant, so that each width gets
+ * its own specialized loops. */
+#define KS_VNNI16_TOKEN_TILES(TILE)                                                            \
+    for (int t = tb; t < te;) {                                                                 \
+        const int T = te - t >= KS_VNNI_TOKENS_WIDE ? KS_VNNI_TOKENS_WIDE : KS_VNNI_TOKENS;     \
+        const int tv = te - t < T ? te - t : T;                                                 \
+        if (T == KS_VNNI_TOKENS_WIDE)                                                           \
+            TILE(KS_VNNI_TOKENS_WIDE, t, tv);                                                   \
+        else                                                                                    \
+            TILE(KS_VNNI_TOKENS, t, tv);                                                        \
+        ks_q8_store_tile(16, T, res, out, m, r, rv, t, tv);                                     \
+        t += T;                                                                                 \
+    }
+
 /* r[i] holds row i's 8 dwords in its low half and row 8 + i's in its high half; c[q] lane i
  * = dword q of row i, i < 16: ks_transpose8x8_epi32 done on both halves at once */
 KS_VNNI_FN void ks_transpose16x8_epi32(const __m512i r[8], __m512i c[8])
@@ -529,14 +545,7 @@ KS_VNNI_FN void ks_q8_tile16_vnni(const int T, const uint8_t *w, int64_t w_strid
     const int8_t *xp[KS_VNNI_TOKENS_WIDE];
     const float *dp[KS_VNNI_TOKENS_WIDE];
     const int32_t *sp[KS_VNNI_TOKENS_WIDE];
-    for (int i = 0; i < 16; i++)
-        wp[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
-    for (int j = 0; j < T; j++) {
-        const int64_t jt = j < tv ? j : tv - 1;
-        xp[j] = x + jt * nb * KS_QK;
-        dp[j] = xd + jt * nb;
-        sp[j] = xs + jt * nb;
-    }
+    ks_tile_inputs(16, T, w, w_stride, rv, x, xd, xs, tv, nb, wp, xp, dp, sp);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[KS_VNNI_TOKENS_WIDE];
     for (int j = 0; j < T; j++)
@@ -578,20 +587,10 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_st
             }
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
-            for (int t = tb; t < te;) {
-                const int wide = te - t >= KS_VNNI_TOKENS_WIDE;
-                const int T = wide ? KS_VNNI_TOKENS_WIDE : KS_VNNI_TOKENS, tv = te - t < T ? te - t : T;
-                const uint8_t *wr = w + (int64_t)r * w_stride;
-                const int8_t *xt = xq + (int64_t)t * k;
-                const float *dt = xd + (int64_t)t * nb;
-                const int32_t *st = xs + (t - tb) * nb;
-                if (wide)    /* each tile width its own specialized loops */
-                    ks_q8_tile16_vnni(KS_VNNI_TOKENS_WIDE, wr, w_stride, rv, xt, dt, st, tv, nb, res);
-                else
-                    ks_q8_tile16_vnni(KS_VNNI_TOKENS, wr, w_stride, rv, xt, dt, st, tv, nb, res);
-                ks_q8_store_tile(16, T, res, out, m, r, rv, t, tv);
-                t += T;
-            }
+#define KS_Q8_TILE16(TT, t, tv) ks_q8_tile16_vnni(TT, w + (int64_t)r * w_stride, w_stride, rv, \
+    xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res)
+            KS_VNNI16_TOKEN_TILES(KS_Q8_TILE16)
+#undef KS_Q8_TILE16
         }
     }
 }
