@@ -410,9 +410,9 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
 
 #if defined(KS_AVX2) && defined(__GNUC__)
 /* ---- prefill with AVX512-VNNI (runtime-dispatched; the build's baseline stays AVX2) --------
- * A tile of 16 rows x 4 tokens in 512-bit vectors. The rows' 32-byte blocks are transposed as
- * dwords (rows i and 8 + i in the two halves of one vector), so lane i of every vector belongs
- * to row i: vpdpbusd with a broadcast 4-byte chunk of a token then adds row i's chunk product
+ * A tile of 16 rows x up to 32 tokens in 512-bit vectors. The rows' 32-byte blocks are
+ * transposed as dwords (rows i and 8 + i in the two halves of one vector), so lane i of every
+ * vector belongs to row i: vpdpbusd with a broadcast 4-byte chunk of a token then adds row i's chunk product
  * into lane i, and a block's 16 exact row sums come out with no horizontal adds. 16 rows a
  * vector rather than the AVX2 tile's 8 halve the unpacking, broadcasts and float work per
  * product (README, "Speed", has the measured gain). vpdpbusd multiplies unsigned by signed

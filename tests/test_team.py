@@ -92,7 +92,8 @@ def _team_threads() -> int:
 
 
 def _until(predicate, timeout: float = 5.0) -> bool:
-    """A thread names itself once it runs: wait for that, briefly."""
+    """Waits briefly for predicate: a thread names itself once it runs, and leaves /proc a
+    moment after it ends."""
     deadline = time.monotonic() + timeout
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -109,7 +110,8 @@ def test_teams_start_and_stop_their_threads(zoo):
     del engine
     for _ in range(20):
         Engine(loaded, max_seq=64, threads=3).generate([4, 5], SamplingOptions(max_tokens=2))
-    assert _team_threads() == before
+    # joined, but under qemu-user a joined thread's host thread can outlive the join briefly
+    assert _until(lambda: _team_threads() == before), _team_threads()
 
 
 def test_sharing_line_names_the_cores_and_the_load():
