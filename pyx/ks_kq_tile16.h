@@ -127,7 +127,7 @@ KS_VNNI_FN void ks_kq_tile16_vnni(const int kind, const int T, const uint8_t *w,
 }
 
 /* The product for n > 1 (the contract of the plain twin), in tiles of 16 rows x
- * KS_VNNI_TOKENS_WIDE or _NARROW tokens over blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
+ * KS_VNNI_TOKENS_WIDE or KS_VNNI_TOKENS tokens over blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
 KS_VNNI_FN void ks_kq_matmul_rows_vnni(const int kind, const uint8_t *w, int64_t w_stride,
                                        const int8_t *xq, const float *xd, int n, int k,
                                        float *out, int m, int r0, int r1)
