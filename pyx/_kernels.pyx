@@ -13,7 +13,7 @@ threads. Results do not depend on `nthreads`. The C (pyx/ks_*.h) holds the SIMD 
 path, which the SIMD one matches bit for bit. On x86 the prefill product also has an
 AVX512-VNNI path, chosen at run time (`set_matmul_vnni`), bit-identical too.
 """
-from libc.stdint cimport int8_t, uint8_t, int32_t, int64_t
+from libc.stdint cimport int8_t, int16_t, uint8_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.math cimport sqrtf
 from cython.parallel cimport prange, threadid

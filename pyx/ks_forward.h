@@ -88,10 +88,12 @@ typedef struct {
     /* the residual stream, its norm and the norm's Q8_0 */
     float *x, *xn, *xd;               /* (max_chunk, hidden) x2, (max_chunk, hidden/32) */
     int8_t *xq;                       /* (max_chunk, hidden) */
+    int16_t *xh;                      /* (max_chunk, hidden/16): xq's half sums */
     float *q, *k, *v, *att, *proj;    /* (max_chunk, q_dim | kv_dim | kv_dim | q_dim | hidden) */
     float *gate, *up;                 /* (max_chunk, ffn) */
     int8_t *sq;                       /* Q8_0 of att (q_dim), then of swiglu (ffn): (max_chunk, widest) */
     float *sd;                        /* (max_chunk, widest/32) */
+    int16_t *sh;                      /* (max_chunk, widest/16) */
     float *attn_scratch;              /* nthreads * attn_floats: each thread's own */
     float *attn_parts;                /* n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats */
     int64_t attn_floats;
@@ -103,9 +105,11 @@ typedef struct {
     int32_t *rows;                    /* (max_chunk * n_used) */
     int8_t *gxq;                      /* (pairs, hidden): each pair's token's Q8_0 row */
     float *gxd;                       /* (pairs, hidden/32) */
+    int16_t *gxh;                     /* (pairs, hidden/16) */
     float *egate, *eup, *ey;          /* (pairs, expert_ffn) x2, (pairs, hidden) */
     int8_t *ehq;                      /* (pairs, expert_ffn) */
     float *ehd;                       /* (pairs, expert_ffn/32) */
+    int16_t *ehh;                     /* (pairs, expert_ffn/16) */
     int n_active;
 } ks_scratch;
 
@@ -122,13 +126,15 @@ static inline void *ks_carve(char *base, int64_t *off, int64_t n, int64_t size)
     return p;
 }
 
-/* The next rows x cols Q8_0 activation (int8 values, one scale per 32: rounded up, so a
- * partial or empty row set still gets a scale's room) at base + *off, as ks_carve. */
+/* The next rows x cols Q8_0 activation (int8 values, one scale per 32 and one half sum per
+ * 16: rounded up, so a partial or empty row set still gets their room) at base + *off, as
+ * ks_carve. */
 static inline void ks_carve_q8(char *base, int64_t *off, int64_t rows, int64_t cols, int8_t **q,
-                               float **d)
+                               float **d, int16_t **h)
 {
     *q = ks_carve(base, off, rows * cols, 1);
     *d = ks_carve(base, off, rows * cols / KS_QK + 1, 4);
+    *h = ks_carve(base, off, rows * cols / 16 + 1, 2);
 }
 
 /* Lays out S over `base` (NULL: just measure; base must be 64-byte aligned) for chunks of up
@@ -149,7 +155,7 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     S->attn_floats = dec > pre ? dec : pre;
     S->x = ks_carve(base, cur, T * H, 4);
     S->xn = ks_carve(base, cur, T * H, 4);
-    ks_carve_q8(base, cur, T, H, &S->xq, &S->xd);
+    ks_carve_q8(base, cur, T, H, &S->xq, &S->xd, &S->xh);
     S->q = ks_carve(base, cur, T * q_dim, 4);
     S->k = ks_carve(base, cur, T * kv_dim, 4);
     S->v = ks_carve(base, cur, T * kv_dim, 4);
@@ -157,7 +163,7 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     S->proj = ks_carve(base, cur, T * H, 4);
     S->gate = ks_carve(base, cur, T * (M->ffn > 0 ? M->ffn : 1), 4);
     S->up = ks_carve(base, cur, T * (M->ffn > 0 ? M->ffn : 1), 4);
-    ks_carve_q8(base, cur, T, widest, &S->sq, &S->sd);
+    ks_carve_q8(base, cur, T, widest, &S->sq, &S->sd, &S->sh);
     S->attn_scratch = ks_carve(base, cur, nthreads * S->attn_floats, 4);
     S->attn_parts = ks_carve(base, cur, (int64_t)M->n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats(G, M->hd), 4);
     S->probs = ks_carve(base, cur, T * E, 4);
@@ -169,11 +175,11 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     S->active = ks_carve(base, cur, E, 4);
     S->rows = ks_carve(base, cur, P, 4);
     if (M->n_exp > 0) {
-        ks_carve_q8(base, cur, P, H, &S->gxq, &S->gxd);
+        ks_carve_q8(base, cur, P, H, &S->gxq, &S->gxd, &S->gxh);
         S->egate = ks_carve(base, cur, P * F, 4);
         S->eup = ks_carve(base, cur, P * F, 4);
         S->ey = ks_carve(base, cur, P * H, 4);
-        ks_carve_q8(base, cur, P, F, &S->ehq, &S->ehd);
+        ks_carve_q8(base, cur, P, F, &S->ehq, &S->ehd, &S->ehh);
     }
     return off;
 }
@@ -195,19 +201,20 @@ static inline int ks_rows_per_item(int m, int n, int nthreads)
 static inline int ks_items_of(int rows, int per) { return (rows + per - 1) / per; }
 
 /* Item it of a product's row runs of `per`: out (n, w.rows) rows r0 .. r1 - 1 = matrix e
- * of w . x (n rows, Q8_0). */
+ * of w . x (n rows, Q8_0 with half sums). */
 static inline void ks_rows_item(const ks_matrix *w, int e, int per, int it, const int8_t *xq,
-                                const float *xd, int n, float *out)
+                                const float *xd, const int16_t *xh, int n, float *out)
 {
     const int r0 = it * per, r1 = r0 + per < w->rows ? r0 + per : w->rows;
-    ks_matrix_rows(w, e, xq, xd, n, out, r0, r1);
+    ks_matrix_rows(w, e, xq, xd, xh, n, out, r0, r1);
 }
 
 /* A phase of the products of one activation (n rows) by every matrix of ws (up to 3, into
  * outs), their row runs one item space. Like every phase helper below, it leaves its (last)
  * phase open: the caller ends it, after any tail (ks_residual_step). */
 static inline void ks_phase_matmuls(ks_walk *w, const ks_matrix *const *ws, float *const *outs,
-                                    int nw, const int8_t *xq, const float *xd, int n, int nthreads)
+                                    int nw, const int8_t *xq, const float *xd, const int16_t *xh,
+                                    int n, int nthreads)
 {
     int per[3], first[4] = {0};
     for (int i = 0; i < nw; i++) {
@@ -218,34 +225,36 @@ static inline void ks_phase_matmuls(ks_walk *w, const ks_matrix *const *ws, floa
         int i = 0;
         while (it >= first[i + 1])
             i++;
-        ks_rows_item(ws[i], 0, per[i], it - first[i], xq, xd, n, outs[i]);
+        ks_rows_item(ws[i], 0, per[i], it - first[i], xq, xd, xh, n, outs[i]);
     }
 }
 
 /* Rows [b*32, b*32 + 32) of a SwiGLU pair for n activation rows: gate and up rows, then
  * swiglu and its Q8_0 block b of each row, finished by the thread that computed them.
- * gate, up (n, F) scratch; hq (n, F), hd (n, F/32) the result. */
+ * gate, up (n, F) scratch; hq (n, F), hd (n, F/32), hh (n, F/16) the result. */
 static inline void ks_ffn_block(const ks_matrix *gate, const ks_matrix *up, int e, int b,
-                                const int8_t *xq, const float *xd, int n, float *g, float *u,
-                                int8_t *hq, float *hd)
+                                const int8_t *xq, const float *xd, const int16_t *xh, int n,
+                                float *g, float *u, int8_t *hq, float *hd, int16_t *hh)
 {
     const int F = gate->rows, r0 = b * KS_FFN_BLOCK;
-    ks_matrix_rows(gate, e, xq, xd, n, g, r0, r0 + KS_FFN_BLOCK);
-    ks_matrix_rows(up, e, xq, xd, n, u, r0, r0 + KS_FFN_BLOCK);
+    ks_matrix_rows(gate, e, xq, xd, xh, n, g, r0, r0 + KS_FFN_BLOCK);
+    ks_matrix_rows(up, e, xq, xd, xh, n, u, r0, r0 + KS_FFN_BLOCK);
     for (int t = 0; t < n; t++) {
         float *gt = g + (int64_t)t * F + r0;
         ks_swiglu(gt, u + (int64_t)t * F + r0, gt, KS_FFN_BLOCK);
-        ks_quantize_row_q8_0(gt, hq + (int64_t)t * F + r0, hd + (int64_t)t * (F / KS_QK) + b, KS_FFN_BLOCK);
+        ks_quantize_row_q8_0(gt, hq + (int64_t)t * F + r0, hd + (int64_t)t * (F / KS_QK) + b,
+                             hh + (int64_t)t * (F / 16) + 2 * b, KS_FFN_BLOCK);
     }
 }
 
-/* Row t of x -> xn = rmsnorm(x) * w, and its Q8_0 (xq, xd), at row `to` of those. */
+/* Row t of x -> xn = rmsnorm(x) * w, and its Q8_0 (xq, xd, xh), at row `to` of those. */
 static inline void ks_norm_row(const ks_model *M, const ks_scratch *S, int t, int to, const float *w)
 {
     const int H = M->hidden;
     float *xn = S->xn + (int64_t)to * H;
     ks_rmsnorm_row(S->x + (int64_t)t * H, w, M->eps, xn, H);
-    ks_quantize_row_q8_0(xn, S->xq + (int64_t)to * H, S->xd + (int64_t)to * (H / KS_QK), H);
+    ks_quantize_row_q8_0(xn, S->xq + (int64_t)to * H, S->xd + (int64_t)to * (H / KS_QK),
+                         S->xh + (int64_t)to * (H / 16), H);
 }
 
 /* Row t of x += the feed-forward output of layer L (a finished phase), then, Qwen3-VL, the
@@ -341,14 +350,14 @@ static inline void ks_phase_qkv(ks_walk *w, const ks_model *M, const ks_layer *L
         const ks_matrix *m = h < nh ? &L->wq : h < nh + nkv ? &L->wk : &L->wv;
         float *out = h < nh ? S->q : h < nh + nkv ? S->k : S->v;
         const int r0 = (h < nh ? h : (h - nh) % nkv) * hd;
-        ks_matrix_rows(m, 0, S->xq, S->xd, n, out, r0, r0 + hd);
+        ks_matrix_rows(m, 0, S->xq, S->xd, S->xh, n, out, r0, r0 + hd);
         for (int t = 0; t < n; t++)
             ks_head_item(M, L, kv, li, S, B, t, h);
     }
 }
 
 /* The attention phases of layer li: the chunk's queries over KV rows 0 .. pos0 + t, into
- * att (n, q_dim) and its Q8_0 per head (sq, sd: hd is a multiple of 32, so a head's blocks
+ * att (n, q_dim) and its Q8_0 per head (sq, sd, sh: hd is a multiple of 32, so a head's blocks
  * are the row's). Decode: (KV head, key range) items, then one merge item per head. Prefill:
  * (token tile, KV head) items, later tiles (more keys: causal) first. */
 static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv *kv, int li,
@@ -370,7 +379,8 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
             return 0;
         KS_EACH_ITEM(w, nh, h) {
             ks_attn_decode_merge(S->attn_parts, S->att, nh, nkv, hd, n_split, h);
-            ks_quantize_row_q8_0(S->att + h * hd, S->sq + h * hd, S->sd + h * (hd / KS_QK), hd);
+            ks_quantize_row_q8_0(S->att + h * hd, S->sq + h * hd, S->sd + h * (hd / KS_QK),
+                                 S->sh + h * (hd / 16), hd);
         }
         return 1;
     }
@@ -383,7 +393,7 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
         for (int t = t0; t < t1; t++)
             for (int h = g * G; h < g * G + G; h++) {
                 const int64_t o = ((int64_t)t * nh + h) * hd;
-                ks_quantize_row_q8_0(S->att + o, S->sq + o, S->sd + o / KS_QK, hd);
+                ks_quantize_row_q8_0(S->att + o, S->sq + o, S->sd + o / KS_QK, S->sh + o / 16, hd);
             }
     }
     return 1;
@@ -418,6 +428,8 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
             memcpy(S->gxq + (int64_t)p * H, S->xq + (int64_t)S->rows[p] * H, H);
             memcpy(S->gxd + (int64_t)p * (H / KS_QK), S->xd + (int64_t)S->rows[p] * (H / KS_QK),
                    sizeof(float) * (H / KS_QK));
+            memcpy(S->gxh + (int64_t)p * (H / 16), S->xh + (int64_t)S->rows[p] * (H / 16),
+                   sizeof(int16_t) * (H / 16));
         }
         if (routing)
             memcpy(routing, S->top_idx, sizeof(int32_t) * n * k);
@@ -428,9 +440,9 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
     KS_EACH_ITEM(w, S->n_active * nb, it) {
         const int e = S->active[it / nb], a = S->offsets[e], c = S->counts[e];
         ks_ffn_block(&L->gate, &L->up, e, it % nb, S->gxq + (int64_t)a * H,
-                     S->gxd + (int64_t)a * (H / KS_QK), c, S->egate + (int64_t)a * F,
-                     S->eup + (int64_t)a * F, S->ehq + (int64_t)a * F,
-                     S->ehd + (int64_t)a * (F / KS_QK));
+                     S->gxd + (int64_t)a * (H / KS_QK), S->gxh + (int64_t)a * (H / 16), c,
+                     S->egate + (int64_t)a * F, S->eup + (int64_t)a * F, S->ehq + (int64_t)a * F,
+                     S->ehd + (int64_t)a * (F / KS_QK), S->ehh + (int64_t)a * (F / 16));
     }
     if (!ks_phase_end(w))
         return 0;
@@ -439,24 +451,25 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
         const int e = S->active[it / runs], a = S->offsets[e], c = S->counts[e];
         const int r0 = (it % runs) * per, r1 = r0 + per < H ? r0 + per : H;
         ks_matrix_rows(&L->down, e, S->ehq + (int64_t)a * F, S->ehd + (int64_t)a * (F / KS_QK),
-                       c, S->ey + (int64_t)a * H, r0, r1);
+                       S->ehh + (int64_t)a * (F / 16), c, S->ey + (int64_t)a * H, r0, r1);
     }
     return 1;
 }
 
-/* The dense feed-forward phases: gate/up/swiglu/Q8_0 by 32-row blocks (into sq, sd), then
+/* The dense feed-forward phases: gate/up/swiglu/Q8_0 by 32-row blocks (into sq, sd, sh), then
  * down into proj. */
 static inline int ks_phases_mlp(ks_walk *w, const ks_model *M, const ks_layer *L,
                                 const ks_scratch *S, int n)
 {
     const int nb = M->ffn / KS_FFN_BLOCK;
     KS_EACH_ITEM(w, nb, b)
-        ks_ffn_block(&L->gate, &L->up, 0, b, S->xq, S->xd, n, S->gate, S->up, S->sq, S->sd);
+        ks_ffn_block(&L->gate, &L->up, 0, b, S->xq, S->xd, S->xh, n, S->gate, S->up, S->sq,
+                     S->sd, S->sh);
     if (!ks_phase_end(w))
         return 0;
     const ks_matrix *down = &L->down;
     float *proj = S->proj;
-    ks_phase_matmuls(w, &down, &proj, 1, S->sq, S->sd, n, S->nthreads);
+    ks_phase_matmuls(w, &down, &proj, 1, S->sq, S->sd, S->sh, n, S->nthreads);
     return 1;
 }
 
@@ -517,7 +530,7 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
             goto late;
         const ks_matrix *wo = &L->wo;
         float *proj = S->proj;
-        ks_phase_matmuls(w, &wo, &proj, 1, S->sq, S->sd, n, nthreads);
+        ks_phase_matmuls(w, &wo, &proj, 1, S->sq, S->sd, S->sh, n, nthreads);
         if (!ks_residual_step(w, M, S, B, li, 1, 0, n) || !ks_phase_end(w))
             goto late;
         if (L->router.data) {
@@ -535,7 +548,7 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
         goto late;
     const ks_matrix *out = &M->output;
     float *logits = B->logits;
-    ks_phase_matmuls(w, &out, &logits, 1, S->xq, S->xd, m, nthreads);
+    ks_phase_matmuls(w, &out, &logits, 1, S->xq, S->xd, S->xh, m, nthreads);
     ks_phase_end(w);
 late:
     __atomic_store_n(&T->items[tid], w->taken, __ATOMIC_RELAXED);

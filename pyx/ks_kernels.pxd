@@ -1,5 +1,5 @@
 # C declarations of the kernel headers (pyx/ks_*.h), cimported by _kernels.pyx.
-from libc.stdint cimport int8_t, uint8_t, int32_t, uint32_t, int64_t
+from libc.stdint cimport int8_t, int16_t, uint8_t, int32_t, uint32_t, int64_t
 
 
 cdef extern from "ks_common.h" nogil:
@@ -11,14 +11,16 @@ cdef extern from "ks_common.h" nogil:
 cdef extern from "ks_q8.h" nogil:
     int KS_QK
     int KS_QBLOCK
-    void ks_quantize_row_q8_0(const float *x, int8_t *q, float *d, int k)
+    void ks_quantize_row_q8_0(const float *x, int8_t *q, float *d, int16_t *h, int k)
+    void ks_q8_half_sums(const int8_t *q, int64_t k, int16_t *h)
     void ks_dequantize_row_q8_0(const uint8_t *w, float *out, int k)
     void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *xq,
-                           const float *xd, int n, int k, float *out, int m, int r0, int r1)
+                           const float *xd, const int16_t *xh, int n, int k, float *out, int m,
+                           int r0, int r1)
     int ks_set_vnni(int on)
     void ks_q8_matmul_rows_plain(const uint8_t *w, int64_t w_stride, const int8_t *xq,
-                                 const float *xd, int n, int k, float *out, int m,
-                                 int r0, int r1)
+                                 const float *xd, const int16_t *xh, int n, int k, float *out,
+                                 int m, int r0, int r1)
 
 
 cdef extern from "ks_attention.h" nogil:
@@ -74,10 +76,10 @@ cdef extern from "ks_weights.h" nogil:
     int64_t ks_type_row_bytes(int type, int64_t cols)
     int ks_type_block(int type)
     void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float *out)
-    void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd, int n,
-                        float *out, int r0, int r1)
+    void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
+                        const int16_t *xh, int n, float *out, int r0, int r1)
     void ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
-                              int n, float *out, int r0, int r1)
+                              const int16_t *xh, int n, float *out, int r0, int r1)
 
 
 cdef extern from "ks_forward.h" nogil:

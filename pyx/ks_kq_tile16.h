@@ -128,26 +128,21 @@ KS_VNNI_FN void ks_kq_tile16_vnni(const int kind, const int T, const uint8_t *w,
 
 /* The product for n > 1 (the contract of the plain twin), in tiles of 16 rows x
  * KS_VNNI_TOKENS_WIDE or KS_VNNI_TOKENS tokens over blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
-KS_VNNI_FN void ks_kq_matmul_rows_vnni(const int kind, const uint8_t *w, int64_t w_stride,
-                                       const int8_t *xq, const float *xd, int n, int k,
-                                       float *out, int m, int r0, int r1)
+KS_VNNI_FN void ks_kq_matmul_rows_vnni(const int kind, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, nsb = k / KS_QK_K, q6 = kind == KS_KQ_Q6K;
-    float xs[q6 ? 1 : KS_PREFILL_TOKEN_BLOCK * nb], res[16 * KS_VNNI_TOKENS_WIDE];    /* the sums each type needs */
-    int16_t xh[q6 ? KS_PREFILL_TOKEN_BLOCK * 2 * nb : 1];
+    /* Q4_K, Q5_K: the block sums of a token block; Q6_K reads xh */
+    float xs[q6 ? 1 : KS_PREFILL_TOKEN_BLOCK * nb], res[16 * KS_VNNI_TOKENS_WIDE];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
-        for (int t = tb; t < te; t++) {
-            if (q6)
-                ks_q8_half_sums(xq + (int64_t)t * k, nb, xh + (t - tb) * 2 * nb);
-            else
-                ks_q8_block_sums(xq + (int64_t)t * k, nb, xs + (t - tb) * nb);
-        }
+        if (!q6)
+            for (int t = tb; t < te; t++)
+                ks_q8_block_sums(xh + (int64_t)t * 2 * nb, nb, xs + (t - tb) * nb);
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
 #define KS_KQ_TILE16(TT, t, tv) ks_kq_tile16_vnni(kind, TT, w + (int64_t)r * w_stride, w_stride, \
     rv, xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, q6 ? NULL : xs + ((t) - tb) * nb,      \
-    q6 ? xh + ((t) - tb) * 2 * nb : NULL, tv, nsb, res)
+    q6 ? xh + (int64_t)(t) * 2 * nb : NULL, tv, nsb, res)
             KS_VNNI16_TOKEN_TILES(KS_KQ_TILE16)
 #undef KS_KQ_TILE16
         }

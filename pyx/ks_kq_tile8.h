@@ -105,23 +105,17 @@ KS_INLINE void ks_kq_tile_avx2(const int kind, const int T, const uint8_t *w, in
 
 /* The product (the contract of the plain twin): decode in 8 x 1 tiles (prefetching the
  * next), prefill in 8 x KS_KQ_T8_TOKENS. */
-KS_INLINE void ks_kq_matmul_rows_avx2(const int kind, const uint8_t *w, int64_t w_stride,
-                                      const int8_t *xq, const float *xd, int n, int k,
-                                      float *out, int m, int r0, int r1)
+KS_INLINE void ks_kq_matmul_rows_avx2(const int kind, KS_ROWS_PARAMS)
 {
     enum { T = KS_KQ_T8_TOKENS };
     const int nb = k / KS_QK, nsb = k / KS_QK_K, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
     const int q6 = kind == KS_KQ_Q6K;
-    float xs[q6 ? 1 : tblock * nb], res[8 * T];    /* the sums each type needs */
-    int16_t xh[q6 ? tblock * 2 * nb : 1];
+    float xs[q6 ? 1 : tblock * nb], res[8 * T];    /* Q4_K, Q5_K: block sums; Q6_K reads xh */
     for (int tb = 0; tb < n; tb += tblock) {
         const int te = tb + tblock < n ? tb + tblock : n;
-        for (int t = tb; t < te; t++) {
-            if (kind == KS_KQ_Q6K)
-                ks_q8_half_sums(xq + (int64_t)t * k, nb, xh + (t - tb) * 2 * nb);
-            else
-                ks_q8_block_sums(xq + (int64_t)t * k, nb, xs + (t - tb) * nb);
-        }
+        if (!q6)
+            for (int t = tb; t < te; t++)
+                ks_q8_block_sums(xh + (int64_t)t * 2 * nb, nb, xs + (t - tb) * nb);
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
             if (n == 1) {
@@ -137,7 +131,7 @@ KS_INLINE void ks_kq_matmul_rows_avx2(const int kind, const uint8_t *w, int64_t 
                 ks_kq_tile_avx2(kind, T, w + (int64_t)r * w_stride, w_stride, rv,
                                 xq + (int64_t)t * k, xd + (int64_t)t * nb,
                                 q6 ? NULL : xs + (t - tb) * nb,
-                                q6 ? xh + (t - tb) * 2 * nb : NULL, tv, nsb, res, NULL, 0);
+                                q6 ? xh + (int64_t)t * 2 * nb : NULL, tv, nsb, res, NULL, 0);
                 ks_q8_store_tile(8, T, res, out, m, r, rv, t, tv);
             }
         }

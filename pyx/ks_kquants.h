@@ -127,11 +127,6 @@ static inline void ks_kq_dequant_row(const int kind, const uint8_t *restrict row
     }
 }
 
-/* The parameters of every matmul_rows (ks_q8_matmul_rows's), and passing them on */
-#define KS_KQ_MATMUL_PARAMS const uint8_t *w, int64_t w_stride, const int8_t *xq, const float *xd, \
-                            int n, int k, float *out, int m, int r0, int r1
-#define KS_KQ_MATMUL_ARGS w, w_stride, xq, xd, n, k, out, m, r0, r1
-
 /* ---- the product: plain C reference path ------------------------------------------------- */
 
 /* One activation block j (32 values: sub-block j % 8 of superblock j / 8) of a row, the
@@ -182,12 +177,10 @@ KS_PLAIN_MATMUL_ROWS(ks_q5k_matmul_rows_plain, ks_q5k_step)
 KS_PLAIN_MATMUL_ROWS(ks_q6k_matmul_rows_plain, ks_q6k_step)
 
 /* The plain product of a K type by its kind (the fallback of builds without SIMD). */
-static inline void ks_kq_matmul_rows_plain(const int kind, const uint8_t *w, int64_t w_stride,
-                                           const int8_t *xq, const float *xd, int n, int k,
-                                           float *out, int m, int r0, int r1)
+static inline void ks_kq_matmul_rows_plain(const int kind, KS_ROWS_PARAMS)
 {
     (kind == KS_KQ_Q4K ? ks_q4k_matmul_rows_plain : kind == KS_KQ_Q5K ? ks_q5k_matmul_rows_plain
-                       : ks_q6k_matmul_rows_plain)(w, w_stride, xq, xd, n, k, out, m, r0, r1);
+                       : ks_q6k_matmul_rows_plain)(KS_ROWS_ARGS);
 }
 
 /* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ----
@@ -197,15 +190,12 @@ static inline void ks_kq_matmul_rows_plain(const int kind, const uint8_t *w, int
  * The per-block scales of the 8 lanes are unpacked once per superblock. */
 #if defined(KS_HAVE_SIMD_MATMUL)
 
-/* Sum of each 32-value block of x (nb blocks) as float (exact: |sum| <= 32 * 128). */
-static inline void ks_q8_block_sums(const int8_t *restrict x, int nb, float *restrict xs)
+/* Sum of each 32-value block of an activation row (nb blocks) as float, from its half sums
+ * xh (exact: |sum| <= 32 * 127). */
+static inline void ks_q8_block_sums(const int16_t *restrict xh, int nb, float *restrict xs)
 {
-    for (int b = 0; b < nb; b++) {
-        int32_t s = 0;
-        for (int e = 0; e < KS_QK; e++)
-            s += x[b * KS_QK + e];
-        xs[b] = (float)s;
-    }
+    for (int b = 0; b < nb; b++)
+        xs[b] = (float)ks_q8_block_sum(xh, b);
 }
 
 /* A tile's rows and its tokens' activations, scales and sums (nb blocks a row); rows >= rv
@@ -528,29 +518,17 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
 #if defined(KS_AVX2)
 /* ---- x86: tiles on transposed codes, 8 rows on AVX2 (ks_kq_tile8.h), 16 on AVX512-VNNI
  * (ks_kq_tile16.h) --------------------------------------------------------------------------- */
-/* The sum of each 16-value half block of x (nb blocks; |sum| <= 16 * 127): Q6_K's code offset
- * -32 times it is part of each half's exact sum */
-static inline void ks_q8_half_sums(const int8_t *restrict x, int nb, int16_t *restrict xh)
-{
-    for (int h = 0; h < 2 * nb; h++) {
-        int32_t s = 0;
-        for (int e = 0; e < 16; e++)
-            s += x[h * 16 + e];
-        xh[h] = (int16_t)s;
-    }
-}
-
 #include "ks_kq_tile8.h"
 #if defined(KS_HAVE_VNNI)
 #include "ks_kq_tile16.h"
 
 /* one VNNI function per type (an always-inline body is specialized only where it is inlined) */
-KS_VNNI_TARGET static void ks_q4k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
-{ ks_kq_matmul_rows_vnni(KS_KQ_Q4K, KS_KQ_MATMUL_ARGS); }
-KS_VNNI_TARGET static void ks_q5k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
-{ ks_kq_matmul_rows_vnni(KS_KQ_Q5K, KS_KQ_MATMUL_ARGS); }
-KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
-{ ks_kq_matmul_rows_vnni(KS_KQ_Q6K, KS_KQ_MATMUL_ARGS); }
+KS_VNNI_TARGET static void ks_q4k_matmul_rows_vnni(KS_ROWS_PARAMS)
+{ ks_kq_matmul_rows_vnni(KS_KQ_Q4K, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q5k_matmul_rows_vnni(KS_ROWS_PARAMS)
+{ ks_kq_matmul_rows_vnni(KS_KQ_Q5K, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_ROWS_PARAMS)
+{ ks_kq_matmul_rows_vnni(KS_KQ_Q6K, KS_ROWS_ARGS); }
 #endif
 #endif /* KS_AVX2 */
 
@@ -559,29 +537,27 @@ KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_KQ_MATMUL_PARAMS)
  * codes are built per row, so one token pays a transpose per block that the 8 x 1 tile with
  * horizontal sums avoids (measured faster there by bench/kernels.py). NEON: decode in 8 x 1
  * tiles, prefill in 4 x 2. */
-KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_stride,
-                                 const int8_t *xq, const float *xd, int n, int k, float *out,
-                                 int m, int r0, int r1)
+KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, nsb = k / KS_QK_K, sums = kind != KS_KQ_Q6K;
     float res[8];
 #if defined(KS_HAVE_VNNI)
     if (n > 1 && ks_use_vnni()) {
         (kind == KS_KQ_Q4K ? ks_q4k_matmul_rows_vnni : kind == KS_KQ_Q5K ? ks_q5k_matmul_rows_vnni
-                           : ks_q6k_matmul_rows_vnni)(w, w_stride, xq, xd, n, k, out, m, r0, r1);
+                           : ks_q6k_matmul_rows_vnni)(KS_ROWS_ARGS);
         return;
     }
 #endif
 #if defined(KS_AVX2)
     if (n > 1 || kind != KS_KQ_Q6K) {
-        ks_kq_matmul_rows_avx2(kind, w, w_stride, xq, xd, n, k, out, m, r0, r1);
+        ks_kq_matmul_rows_avx2(kind, KS_ROWS_ARGS);
         return;
     }
 #endif
     if (n == 1) {
         float xs[nb];
         if (sums)
-            ks_q8_block_sums(xq, nb, xs);
+            ks_q8_block_sums(xh, nb, xs);
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
             /* the next tile of this matrix (an MoE expert's ends here), a slice per superblock */
@@ -598,7 +574,7 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_str
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         if (sums)
             for (int t = tb; t < te; t++)
-                ks_q8_block_sums(xq + (int64_t)t * k, nb, xs + (t - tb) * nb);
+                ks_q8_block_sums(xh + (int64_t)t * 2 * nb, nb, xs + (t - tb) * nb);
         for (int r = r0; r < r1; r += 4) {
             const int rv = r1 - r < 4 ? r1 - r : 4;
             for (int t = tb; t < te; t += 2) {
@@ -613,11 +589,9 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_str
 #endif
 }
 #else
-static inline void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w_stride,
-                                 const int8_t *xq, const float *xd, int n, int k, float *out,
-                                 int m, int r0, int r1)
+static inline void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
 {
-    ks_kq_matmul_rows_plain(kind, w, w_stride, xq, xd, n, k, out, m, r0, r1);
+    ks_kq_matmul_rows_plain(kind, KS_ROWS_ARGS);
 }
 #endif
 
@@ -626,8 +600,8 @@ static inline void ks_kq_matmul_rows(const int kind, const uint8_t *w, int64_t w
 #define KS_KQ_ENTRY_POINTS(name, kind)                                                         \
     static inline void ks_##name##_dequant_row(const uint8_t *row, float *out, int k)         \
     { ks_kq_dequant_row(kind, row, out, k); }                                                  \
-    static void ks_##name##_matmul_rows(KS_KQ_MATMUL_PARAMS)                                   \
-    { ks_kq_matmul_rows(kind, KS_KQ_MATMUL_ARGS); }
+    static void ks_##name##_matmul_rows(KS_ROWS_PARAMS)                                   \
+    { ks_kq_matmul_rows(kind, KS_ROWS_ARGS); }
 
 KS_KQ_ENTRY_POINTS(q4k, KS_KQ_Q4K)
 KS_KQ_ENTRY_POINTS(q5k, KS_KQ_Q5K)

@@ -53,16 +53,13 @@ static inline void ks_q4x_codes(int f, const uint8_t *restrict blk, int8_t c[KS_
     }
 }
 
-/* xs[i] = the exact sum of the 32 xq of activation block i, for nblocks consecutive blocks. */
-static inline void ks_q4x_block_sums(const int8_t *restrict xq, int64_t nblocks,
+/* xs[i] = the exact sum of the 32 codes of activation block i, for nblocks consecutive
+ * blocks, from their half sums xh (ks_quantize_row_q8_0's). */
+static inline void ks_q4x_block_sums(const int16_t *restrict xh, int64_t nblocks,
                                      int32_t *restrict xs)
 {
-    for (int64_t i = 0; i < nblocks; i++) {
-        int32_t s = 0;
-        for (int e = 0; e < KS_QK; e++)
-            s += xq[i * KS_QK + e];
-        xs[i] = s;
-    }
+    for (int64_t i = 0; i < nblocks; i++)
+        xs[i] = ks_q8_block_sum(xh, i);
 }
 
 /* One row (k values) -> float: d * c, or for Q4_1 (d * q) + m rounded twice as gguf-py does
@@ -100,8 +97,9 @@ static inline float ks_q4x_block_step(int f, const uint8_t *row, int b, const in
     const float d = ks_fp16_to_f32_plain(ks_load_u16le(blk));
     acc = KS_FMADD((float)ks_dot_block_plain(c, x), d * xd, acc);
     if (f == KS_Q4X_Q4_1) {
-        int32_t xsum;
-        ks_q4x_block_sums(x, 1, &xsum);
+        int32_t xsum = 0;
+        for (int e = 0; e < KS_QK; e++)
+            xsum += x[e];
         const float mn = ks_fp16_to_f32_plain(ks_load_u16le(blk + 2));
         acc = KS_FMADD((float)xsum, mn * xd, acc);
     }
@@ -352,14 +350,10 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 
 /* ---- the per-type entry points (the signature and meaning of ks_q8_matmul_rows) ----------- */
 
-#define KS_Q4X_ROWS_PARAMS const uint8_t *w, int64_t w_stride, const int8_t *xq, const float *xd, \
-                           int n, int k, float *out, int m, int r0, int r1
-#define KS_Q4X_ROWS_ARGS w, w_stride, xq, xd, n, k, out, m, r0, r1
-
 #if defined(KS_HAVE_VNNI)
-KS_VNNI_TARGET static void ks_q4_0_matmul_rows_vnni(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows_vnni(KS_Q4X_Q4_0, KS_Q4X_ROWS_ARGS); }
-KS_VNNI_TARGET static void ks_q4_1_matmul_rows_vnni(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows_vnni(KS_Q4X_Q4_1, KS_Q4X_ROWS_ARGS); }
-KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows_vnni(KS_Q4X_Q5_0, KS_Q4X_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q4_0_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_vnni(KS_Q4X_Q4_0, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q4_1_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_vnni(KS_Q4X_Q4_1, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_vnni(KS_Q4X_Q5_0, KS_ROWS_ARGS); }
 #endif
 
 /* Same contract as the plain products (KS_PLAIN_MATMUL_ROWS). Decode (n == 1): tiles of 8 rows,
@@ -367,7 +361,7 @@ KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_Q4X_ROWS_PARAMS) { ks_q4x
  * ks_q4_tile16.h (AVX512-VNNI) or the 8-row ones of ks_q4_tile8.h, on NEON tiles of 4 rows x
  * 2 tokens. */
 static inline __attribute__((always_inline))
-void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
+void ks_q4x_matmul_rows(const int f, KS_ROWS_PARAMS)
 {
 #if defined(KS_HAVE_SIMD_MATMUL)
     const int nb = k / KS_QK;
@@ -375,7 +369,7 @@ void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
     if (n == 1) {
         int32_t xs[nb];
         if (KS_Q4X_NEEDS_XSUM(f))
-            ks_q4x_block_sums(xq, nb, xs);
+            ks_q4x_block_sums(xh, nb, xs);
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
             /* the next tile of this matrix (an MoE expert's ends here), a slice per block */
@@ -389,18 +383,18 @@ void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
 #if defined(KS_HAVE_VNNI)
     if (ks_use_vnni()) {
         (f == KS_Q4X_Q4_0 ? ks_q4_0_matmul_rows_vnni : f == KS_Q4X_Q4_1 ? ks_q4_1_matmul_rows_vnni
-                                                     : ks_q5_0_matmul_rows_vnni)(KS_Q4X_ROWS_ARGS);
+                                                     : ks_q5_0_matmul_rows_vnni)(KS_ROWS_ARGS);
         return;
     }
 #endif
 #if defined(KS_AVX2)
-    ks_q4x_matmul_rows_avx2(f, KS_Q4X_ROWS_ARGS);
+    ks_q4x_matmul_rows_avx2(f, KS_ROWS_ARGS);
 #else
     int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         if (KS_Q4X_NEEDS_XSUM(f))
-            ks_q4x_block_sums(xq + (int64_t)tb * k, (int64_t)(te - tb) * nb, xs);
+            ks_q4x_block_sums(xh + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xs);
         for (int r = r0; r < r1; r += 4) {
             const int rv = r1 - r < 4 ? r1 - r : 4;
             for (int t = tb; t < te; t += 2) {
@@ -414,15 +408,15 @@ void ks_q4x_matmul_rows(const int f, KS_Q4X_ROWS_PARAMS)
 #endif
 #else
     (f == KS_Q4X_Q4_0 ? ks_q4_0_matmul_rows_plain : f == KS_Q4X_Q4_1 ? ks_q4_1_matmul_rows_plain
-                      : ks_q5_0_matmul_rows_plain)(KS_Q4X_ROWS_ARGS);
+                      : ks_q5_0_matmul_rows_plain)(KS_ROWS_ARGS);
 #endif
 }
 
 static void ks_q4_0_dequant_row(const uint8_t *row, float *out, int k) { ks_q4x_dequant_row(KS_Q4X_Q4_0, row, out, k); }
 static void ks_q4_1_dequant_row(const uint8_t *row, float *out, int k) { ks_q4x_dequant_row(KS_Q4X_Q4_1, row, out, k); }
 static void ks_q5_0_dequant_row(const uint8_t *row, float *out, int k) { ks_q4x_dequant_row(KS_Q4X_Q5_0, row, out, k); }
-static void ks_q4_0_matmul_rows(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows(KS_Q4X_Q4_0, KS_Q4X_ROWS_ARGS); }
-static void ks_q4_1_matmul_rows(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows(KS_Q4X_Q4_1, KS_Q4X_ROWS_ARGS); }
-static void ks_q5_0_matmul_rows(KS_Q4X_ROWS_PARAMS) { ks_q4x_matmul_rows(KS_Q4X_Q5_0, KS_Q4X_ROWS_ARGS); }
+static void ks_q4_0_matmul_rows(KS_ROWS_PARAMS) { ks_q4x_matmul_rows(KS_Q4X_Q4_0, KS_ROWS_ARGS); }
+static void ks_q4_1_matmul_rows(KS_ROWS_PARAMS) { ks_q4x_matmul_rows(KS_Q4X_Q4_1, KS_ROWS_ARGS); }
+static void ks_q5_0_matmul_rows(KS_ROWS_PARAMS) { ks_q4x_matmul_rows(KS_Q4X_Q5_0, KS_ROWS_ARGS); }
 
 #endif /* KS_Q4_H */

@@ -94,16 +94,14 @@ KS_VNNI_FN void ks_q4x_tile16_vnni(const int f, const int T, const uint8_t *w, i
 
 /* The product for n > 1 (the contract of the plain twin), in tiles of 16 rows x
  * KS_VNNI_TOKENS_WIDE or KS_VNNI_TOKENS tokens over blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
-KS_VNNI_FN void ks_q4x_matmul_rows_vnni(const int f, const uint8_t *w, int64_t w_stride,
-                                        const int8_t *xq, const float *xd, int n, int k,
-                                        float *out, int m, int r0, int r1)
+KS_VNNI_FN void ks_q4x_matmul_rows_vnni(const int f, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK;
     int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
     float res[16 * KS_VNNI_TOKENS_WIDE];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
-        ks_q4x_block_sums(xq + (int64_t)tb * k, (int64_t)(te - tb) * nb, xs);
+        ks_q4x_block_sums(xh + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xs);
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
 #define KS_Q4X_TILE16(TT, t, tv) ks_q4x_tile16_vnni(f, TT, w + (int64_t)r * w_stride, w_stride, \

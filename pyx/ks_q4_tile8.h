@@ -60,9 +60,7 @@ KS_INLINE void ks_q4x_tile_avx2(const int f, const uint8_t *w, int64_t w_stride,
 
 /* The product for n > 1 (the contract of the plain twin), in tiles of 8 rows x T tokens over
  * blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
-KS_INLINE void ks_q4x_matmul_rows_avx2(const int f, const uint8_t *w, int64_t w_stride,
-                                       const int8_t *xq, const float *xd, int n, int k,
-                                       float *out, int m, int r0, int r1)
+KS_INLINE void ks_q4x_matmul_rows_avx2(const int f, KS_ROWS_PARAMS)
 {
     enum { T = KS_Q4_T8_TOKENS };
     const int nb = k / KS_QK;
@@ -70,7 +68,7 @@ KS_INLINE void ks_q4x_matmul_rows_avx2(const int f, const uint8_t *w, int64_t w_
     float res[8 * T];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
-        ks_q4x_block_sums(xq + (int64_t)tb * k, (int64_t)(te - tb) * nb, xs);
+        ks_q4x_block_sums(xh + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xs);
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
             for (int t = tb; t < te; t += T) {

@@ -21,9 +21,23 @@
 
 /* ---- quantization (one path: it is cheap next to the product) ---------------------------- */
 
-/* x (k) -> q (k) int8, d (k/32): llama.cpp quantize_row_q8_0_ref, with a float32 scale. */
+/* h (k/16) = the sum of each 16 codes of q (k): the activation sums the products' code offsets
+ * and minimums need (|sum| <= 16 * 127 fits int16). */
+static inline void ks_q8_half_sums(const int8_t *restrict q, int64_t k, int16_t *restrict h)
+{
+    for (int64_t i = 0; i < k / 16; i++) {
+        int32_t s = 0;
+        for (int e = 0; e < 16; e++)
+            s += q[16 * i + e];
+        h[i] = (int16_t)s;
+    }
+}
+
+/* x (k) -> q (k) int8, d (k/32): llama.cpp quantize_row_q8_0_ref, with a float32 scale; and
+ * h (k/16) = ks_q8_half_sums of q, made here once for every product that reads the row (a
+ * work item of a few rows summing the codes again would spend a good part of its time on it). */
 static inline void ks_quantize_row_q8_0(const float *restrict x, int8_t *restrict q,
-                                        float *restrict d, int k)
+                                        float *restrict d, int16_t *restrict h, int k)
 {
     for (int b = 0; b < k / KS_QK; b++) {
         const float *xb = x + b * KS_QK;
@@ -33,6 +47,13 @@ static inline void ks_quantize_row_q8_0(const float *restrict x, int8_t *restric
             ks_v8_round_i8(ks_v8_load(xb + j) * id, q + b * KS_QK + j);
         d[b] = db;
     }
+    ks_q8_half_sums(q, k, h);
+}
+
+/* The sum of the 32 codes of activation block b, from its row's half sums h */
+static inline int32_t ks_q8_block_sum(const int16_t *h, int64_t b)
+{
+    return (int32_t)h[2 * b] + h[2 * b + 1];
 }
 
 /* One Q8_0 weight row (k values) -> float. */
@@ -57,15 +78,24 @@ static inline int32_t ks_dot_block_plain(const int8_t *restrict w, const int8_t 
     return s;
 }
 
-/* The plain C product of every weight type, the reference its SIMD paths must equal: rows
- * [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T, w rows w_stride bytes apart. For each
+/* The parameters of every type's product (ks_rows_fn of ks_weights.h): rows [r0, r1) of
+ * out (n, m) = w (m, k) . xq (n, k)^T, w rows w_stride bytes apart, xq's rows quantized by
+ * ks_quantize_row_q8_0 (codes xq, scales xd (n, k/32), half sums xh (n, k/16)); and passing
+ * them on. */
+#define KS_ROWS_PARAMS const uint8_t *w, int64_t w_stride, const int8_t *xq, const float *xd, \
+                       const int16_t *xh, int n, int k, float *out, int m, int r0, int r1
+#define KS_ROWS_ARGS w, w_stride, xq, xd, xh, n, k, out, m, r0, r1
+
+/* The plain C product of every weight type, the reference its SIMD paths must equal (it
+ * sums the codes itself where its type needs their sum, not reading xh, so the tests that
+ * compare the two check xh too). For each
  * (row, token) the accumulator starts at 0 and takes, activation block b by block in order,
  * acc = STEP(row, b, xq block b, its scale, acc): the type's exact integer block sum and its
  * fixed float epilogue (each type's header says it). */
 #define KS_PLAIN_MATMUL_ROWS(name, STEP)                                                        \
-    static void name(const uint8_t *w, int64_t w_stride, const int8_t *xq, const float *xd,     \
-                     int n, int k, float *out, int m, int r0, int r1)                           \
+    static void name(KS_ROWS_PARAMS)                                                            \
     {                                                                                           \
+        (void)xh;                                                                               \
         const int nb = k / KS_QK;                                                               \
         for (int r = r0; r < r1; r++) {                                                         \
             const uint8_t *wr = w + (int64_t)r * w_stride;                                      \
@@ -354,9 +384,14 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
 KS_INLINE void ks_q8_store_tile(const int R, const int T, const float *res, float *out,
                                 int m, int r, int rv, int t, int tv)
 {
-    for (int j = 0; j < T && j < tv; j++)
-        for (int i = 0; i < R && i < rv; i++)
-            out[(int64_t)(t + j) * m + r + i] = res[j * R + i];
+    for (int j = 0; j < T && j < tv; j++) {
+        float *o = out + (int64_t)(t + j) * m + r;
+        if (rv >= R)     /* a whole tile's row: a copy of known size, made inline */
+            memcpy(o, res + j * R, sizeof(float) * R);
+        else
+            for (int i = 0; i < rv; i++)
+                o[i] = res[j * R + i];
+    }
 }
 
 #if defined(KS_AVX2)
@@ -568,9 +603,7 @@ KS_VNNI_FN void ks_q8_tile16_vnni(const int T, const uint8_t *w, int64_t w_strid
 }
 
 /* ks_q8_matmul_rows for n > 1 on AVX512-VNNI CPUs. */
-KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_stride,
-                                                  const int8_t *xq, const float *xd, int n,
-                                                  int k, float *out, int m, int r0, int r1)
+KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK;
     int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
@@ -578,13 +611,8 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_st
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         for (int t = tb; t < te; t++)
-            for (int b = 0; b < nb; b++) {
-                const int8_t *xb = xq + (int64_t)t * k + b * KS_QK;
-                int32_t sum = 0;
-                for (int e = 0; e < KS_QK; e++)
-                    sum += xb[e];
-                xs[(t - tb) * nb + b] = -128 * sum;
-            }
+            for (int b = 0; b < nb; b++)
+                xs[(t - tb) * nb + b] = -128 * ks_q8_block_sum(xh + (int64_t)t * 2 * nb, b);
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
 #define KS_Q8_TILE16(TT, t, tv) ks_q8_tile16_vnni(TT, w + (int64_t)r * w_stride, w_stride, rv, \
@@ -599,8 +627,7 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(const uint8_t *w, int64_t w_st
 /* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: tiles
  * of 4 rows x 2 tokens, so each weight block loaded feeds 2 tokens and each activation block
  * 4 rows. */
-static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *xq,
-                              const float *xd, int n, int k, float *out, int m, int r0, int r1)
+static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK;
     float res[8];
@@ -617,7 +644,7 @@ static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *
     }
 #if defined(KS_HAVE_VNNI)
     if (ks_use_vnni()) {
-        ks_q8_matmul_rows_vnni(w, w_stride, xq, xd, n, k, out, m, r0, r1);
+        ks_q8_matmul_rows_vnni(KS_ROWS_ARGS);
         return;
     }
 #endif
@@ -647,10 +674,9 @@ static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *
     }
 }
 #else
-static void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *xq,
-                              const float *xd, int n, int k, float *out, int m, int r0, int r1)
+static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
 {
-    ks_q8_matmul_rows_plain(w, w_stride, xq, xd, n, k, out, m, r0, r1);
+    ks_q8_matmul_rows_plain(KS_ROWS_ARGS);
 }
 #endif
 

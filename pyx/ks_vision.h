@@ -218,12 +218,14 @@ typedef struct {
     float *xn;                         /* (n, hidden) a LayerNorm's output */
     int8_t *xq;                        /* (n, hidden) Q8_0 of xn or of the attention output */
     float *xd;                         /* (n, hidden/32) */
+    int16_t *xh;                       /* (n, hidden/16) its half sums */
     float *qkv;                        /* (n, 3 hidden) */
     float *q, *k, *v, *att;            /* (n, heads, head_dim) */
     float *y;                          /* (n, hidden) proj or fc2 output */
     float *h;                          /* (n, ffn) gelu(fc1) */
     int8_t *hq;                        /* (n, ffn) its Q8_0 */
     float *hd;                         /* (n, ffn/32) */
+    int16_t *hh;                       /* (n, ffn/16) */
     float *attn_scratch;               /* nthreads * attn_floats: each thread's own */
     int64_t attn_floats;
 } ks_vpass;
@@ -243,7 +245,7 @@ static int64_t ks_vpass_layout(ks_vpass *P, char *base, const ks_vtower *V, int 
     P->nthreads = nthreads;
     P->attn_floats = ks_vattn_scratch_floats(V->hidden / V->n_heads);
     P->xn = ks_carve(base, &off, N * H, 4);
-    ks_carve_q8(base, &off, N, H, &P->xq, &P->xd);
+    ks_carve_q8(base, &off, N, H, &P->xq, &P->xd, &P->xh);
     P->qkv = ks_carve(base, &off, N * 3 * H, 4);
     P->q = ks_carve(base, &off, N * H, 4);
     P->k = ks_carve(base, &off, N * H, 4);
@@ -251,7 +253,7 @@ static int64_t ks_vpass_layout(ks_vpass *P, char *base, const ks_vtower *V, int 
     P->att = ks_carve(base, &off, N * H, 4);
     P->y = ks_carve(base, &off, N * H, 4);
     P->h = ks_carve(base, &off, N * F, 4);
-    ks_carve_q8(base, &off, N, F, &P->hq, &P->hd);
+    ks_carve_q8(base, &off, N, F, &P->hq, &P->hd, &P->hh);
     P->attn_scratch = ks_carve(base, &off, (int64_t)nthreads * P->attn_floats, 4);
     return off;
 }
@@ -265,18 +267,19 @@ static inline void ks_vnorm_row(const ks_vtower *V, const ks_vpass *P, int t, co
 {
     const int64_t H = V->hidden;
     ks_layernorm_row(P->x + t * H, w, b, V->eps, P->xn + t * H, H);
-    ks_quantize_row_q8_0(P->xn + t * H, P->xq + t * H, P->xd + t * (H / KS_QK), (int)H);
+    ks_quantize_row_q8_0(P->xn + t * H, P->xq + t * H, P->xd + t * (H / KS_QK), P->xh + t * (H / 16),
+                         (int)H);
 }
 
 /* A phase of out (n, W.rows) = W . x (Q8_0) + bias, by row runs. */
 static inline void ks_vphase_linear(ks_walk *w, const ks_matrix *W, const float *bias,
-                                    const int8_t *xq, const float *xd, int n, float *out,
-                                    int nthreads)
+                                    const int8_t *xq, const float *xd, const int16_t *xh, int n,
+                                    float *out, int nthreads)
 {
     const int per = ks_rows_per_item(W->rows, n, nthreads), m = W->rows;
     KS_EACH_ITEM(w, ks_items_of(m, per), it) {
         const int r0 = it * per, r1 = r0 + per < m ? r0 + per : m;
-        ks_matrix_rows(W, 0, xq, xd, n, out, r0, r1);
+        ks_matrix_rows(W, 0, xq, xd, xh, n, out, r0, r1);
         for (int t = 0; t < n; t++)
             for (int r = r0; r < r1; r++)
                 out[(int64_t)t * m + r] += bias[r];
@@ -299,14 +302,14 @@ static inline void ks_vhead_item(const ks_vtower *V, const ks_vpass *P, int t, i
 static inline void ks_vfc1_block(const ks_vblock *B, const ks_vpass *P, int b)
 {
     const int F = B->fc1.rows, r0 = b * KS_QK;
-    ks_matrix_rows(&B->fc1, 0, P->xq, P->xd, P->n, P->h, r0, r0 + KS_QK);
+    ks_matrix_rows(&B->fc1, 0, P->xq, P->xd, P->xh, P->n, P->h, r0, r0 + KS_QK);
     for (int t = 0; t < P->n; t++) {
         float *ht = P->h + (int64_t)t * F + r0;
         for (int r = 0; r < KS_QK; r++)
             ht[r] += B->fc1_b[r0 + r];
         ks_gelu(ht, ht, KS_QK, 0);
         ks_quantize_row_q8_0(ht, P->hq + (int64_t)t * F + r0, P->hd + (int64_t)t * (F / KS_QK) + b,
-                             KS_QK);
+                             P->hh + (int64_t)t * (F / 16) + 2 * b, KS_QK);
     }
 }
 
@@ -343,7 +346,7 @@ static void ks_vision_walk(ks_team *T, int tid, uint32_t pass)
         const ks_vblock *B = &V->blocks[bi];
         if (!ks_phase_end(w))
             return;
-        ks_vphase_linear(w, &B->qkv, B->qkv_b, P->xq, P->xd, n, P->qkv, nthreads);
+        ks_vphase_linear(w, &B->qkv, B->qkv_b, P->xq, P->xd, P->xh, n, P->qkv, nthreads);
         if (!ks_phase_end(w))
             return;
         KS_EACH_ITEM(w, n * 3 * nh, it)
@@ -360,10 +363,10 @@ static void ks_vision_walk(ks_team *T, int tid, uint32_t pass)
             return;
         KS_EACH_ITEM(w, n, t)
             ks_quantize_row_q8_0(P->att + (int64_t)t * H, P->xq + (int64_t)t * H,
-                                 P->xd + (int64_t)t * (H / KS_QK), H);
+                                 P->xd + (int64_t)t * (H / KS_QK), P->xh + (int64_t)t * (H / 16), H);
         if (!ks_phase_end(w))
             return;
-        ks_vphase_linear(w, &B->proj, B->proj_b, P->xq, P->xd, n, P->y, nthreads);
+        ks_vphase_linear(w, &B->proj, B->proj_b, P->xq, P->xd, P->xh, n, P->y, nthreads);
         if (!ks_phase_end(w))
             return;
         KS_EACH_ITEM(w, n, t) {
@@ -376,7 +379,7 @@ static void ks_vision_walk(ks_team *T, int tid, uint32_t pass)
             ks_vfc1_block(B, P, b);
         if (!ks_phase_end(w))
             return;
-        ks_vphase_linear(w, &B->fc2, B->fc2_b, P->hq, P->hd, n, P->y, nthreads);
+        ks_vphase_linear(w, &B->fc2, B->fc2_b, P->hq, P->hd, P->hh, n, P->y, nthreads);
         if (!ks_phase_end(w))
             return;
         KS_EACH_ITEM(w, n, t)

@@ -12,8 +12,9 @@
  * below), dispatched here on ks_matrix.type:
  *   ks_type_row_bytes      bytes of one row of `cols` values
  *   ks_matrix_dequant_row  one row as float32 (token embeddings)
- *   ks_matrix_rows         rows [r0, r1) of out (n, rows) = W . x^T, x quantized to Q8_0,
- *                          and ks_matrix_rows_plain, its plain C twin (same bits)
+ *   ks_matrix_rows         rows [r0, r1) of out (n, rows) = W . x^T, x quantized to Q8_0
+ *                          with its half sums (ks_quantize_row_q8_0), and
+ *                          ks_matrix_rows_plain, its plain C twin (same bits)
  * Each type's header (ks_q8.h, ks_q4.h, ks_kquants.h) says the exact order of its float
  * operations, which all its paths (SIMD and plain) follow.
  */
@@ -46,9 +47,8 @@ typedef struct {
     int32_t n_mat;            /* 1, or the number of stacked experts */
 } ks_matrix;
 
-/* rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T, w rows w_stride bytes apart */
-typedef void (*ks_rows_fn)(const uint8_t *w, int64_t w_stride, const int8_t *xq, const float *xd,
-                           int n, int k, float *out, int m, int r0, int r1);
+/* rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T (KS_ROWS_PARAMS, ks_q8.h) */
+typedef void (*ks_rows_fn)(KS_ROWS_PARAMS);
 typedef void (*ks_dequant_fn)(const uint8_t *row, float *out, int k);
 
 /* What a weight type is and, for the types the kernels compute on, its kernels. */
@@ -114,22 +114,24 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
 }
 
 /* Rows [r0, r1) of out (n, rows) = matrix e of w (rows, cols) . x^T, for the n activation
- * rows x quantized to Q8_0 (xq (n, cols) int8, xd (n, cols/32) scales). Every type computes
- * each output from exact integer block sums and a fixed-order float epilogue, so the result
- * does not depend on r0, r1 or the thread that computes it. */
+ * rows x as ks_quantize_row_q8_0 made them (xq (n, cols) int8, xd (n, cols/32) scales, xh
+ * (n, cols/16) half sums). Every type computes each output from exact integer block sums and
+ * a fixed-order float epilogue, so the result does not depend on r0, r1 or the thread that
+ * computes it. */
 static inline void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
-                                  int n, float *out, int r0, int r1)
+                                  const int16_t *xh, int n, float *out, int r0, int r1)
 {
-    ks_type(w->type)->rows(w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, n,
+    ks_type(w->type)->rows(w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, xh, n,
                            w->cols, out, w->rows, r0, r1);
 }
 
 /* The plain C twin of ks_matrix_rows (the reference every SIMD path must equal exactly). */
 static inline void ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *xq,
-                                        const float *xd, int n, float *out, int r0, int r1)
+                                        const float *xd, const int16_t *xh, int n, float *out,
+                                        int r0, int r1)
 {
-    ks_type(w->type)->rows_plain(w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, n,
-                                 w->cols, out, w->rows, r0, r1);
+    ks_type(w->type)->rows_plain(w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd,
+                                 xh, n, w->cols, out, w->rows, r0, r1);
 }
 
 #endif /* KS_WEIGHTS_H */

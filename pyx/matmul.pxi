@@ -18,8 +18,10 @@ def quantize_q8_0(const float[:, ::1] x, int8_t[:, ::1] xq, float[:, ::1] xd, in
     if xd.shape[0] != n or xd.shape[1] != k // KS_QK:
         raise ValueError(f"quantize_q8_0: xd must be ({n}, {k // KS_QK}), "
                          f"got ({xd.shape[0]}, {xd.shape[1]})")
+    # the half sums the forward pass keeps beside each row: matmul makes its own from xq
+    cdef int16_t[:, ::1] xh = np.empty((n, k // 16), np.int16)
     for i in prange(n, nogil=True, num_threads=nthreads, schedule="static"):
-        ks_quantize_row_q8_0(&x[i, 0], &xq[i, 0], &xd[i, 0], <int>k)
+        ks_quantize_row_q8_0(&x[i, 0], &xq[i, 0], &xd[i, 0], &xh[i, 0], <int>k)
 
 
 def compute_types():
@@ -50,6 +52,9 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
         return 0
     W.data, W.row_stride, W.mat_stride = &w[0, 0], w.shape[1], 0
     W.type, W.rows, W.cols, W.n_mat = qtype, <int32_t>m, <int32_t>k, 1
+    cdef int16_t[:, ::1] xh = np.empty((n, k // 16), np.int16)    # xq's half sums
+    for it in range(n):
+        ks_q8_half_sums(&xq[it, 0], k, &xh[it, 0])
     # runs of output rows, as the forward pass shares them out (the split changes no result)
     rows_per_item = 16 if n == 1 else max(16, min(64, m // (4 * nthreads) // 16 * 16))
     n_items = (m + rows_per_item - 1) // rows_per_item
@@ -57,9 +62,11 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
         r0 = it * rows_per_item
         r1 = min(m, r0 + rows_per_item)
         if plain:
-            ks_matrix_rows_plain(&W, 0, &xq[0, 0], &xd[0, 0], <int>n, &out[0, 0], <int>r0, <int>r1)
+            ks_matrix_rows_plain(&W, 0, &xq[0, 0], &xd[0, 0], &xh[0, 0], <int>n, &out[0, 0],
+                                 <int>r0, <int>r1)
         else:
-            ks_matrix_rows(&W, 0, &xq[0, 0], &xd[0, 0], <int>n, &out[0, 0], <int>r0, <int>r1)
+            ks_matrix_rows(&W, 0, &xq[0, 0], &xd[0, 0], &xh[0, 0], <int>n, &out[0, 0], <int>r0,
+                           <int>r1)
     return 0
 
 

@@ -17,7 +17,6 @@ benchmark against llama.cpp (bench/ has those): a tool for deciding a kernel cha
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib.machinery
 import importlib.util
 import os
@@ -33,9 +32,11 @@ from ggml_blocks import random_blocks  # tests/: valid blocks of every GGML type
 
 def load_build(tag: str, tree: str):
     """The compiled kernels of the checkout at tree, as a module of its own."""
-    found = sorted(glob.glob(os.path.join(tree, "kestreld", "_kernels.*.so")))
+    found = [os.path.join(tree, "kestreld", "_kernels" + suffix)
+             for suffix in importlib.machinery.EXTENSION_SUFFIXES
+             if os.path.exists(os.path.join(tree, "kestreld", "_kernels" + suffix))]
     if not found:
-        sys.exit(f"no kestreld/_kernels.*.so in {tree}: build it there first")
+        sys.exit(f"no kestreld/_kernels module for this Python in {tree}: build it there first")
     loader = importlib.machinery.ExtensionFileLoader(f"{tag}._kernels", found[0])
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
     loader.exec_module(module)
