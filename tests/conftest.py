@@ -74,7 +74,8 @@ def hf(zoo) -> Transformers:
 
 @pytest.fixture(params=[True, False], ids=["vnni-if-any", "no-vnni"])
 def vnni(request):
-    """Runs a test with the AVX512-VNNI prefill path on (where the CPU has it) and off."""
+    """Runs a test with the AVX512 paths (VNNI prefill tiles, 16-float attention) on (where
+    the CPU has them) and off."""
     import kestreld._kernels as K
     on = K.set_matmul_vnni(request.param)
     yield on

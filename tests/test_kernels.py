@@ -384,28 +384,51 @@ def test_attention_chunked_prefill_and_decode_equal_one_full_prefill():
     assert report("attention full prefill", full, want) < 2e-5
 
 
-@pytest.mark.parametrize("n,pos0,n_heads,n_kv,hd,kv_bs", [
+ATTENTION_SHAPES = pytest.mark.parametrize("n,pos0,n_heads,n_kv,hd,kv_bs", [
     (37, 101, 6, 2, 48, 32),       # odd sizes, hd an odd multiple of 16: the 1-query value strips
     (70, 300, 16, 8, 128, 32),     # Qwen3-0.6B heads: pairs of heads, tiles across tokens
     (45, 260, 9, 3, 64, 32),       # SmolLM2 heads: GQA 3:1, tiles cross token boundaries
     (33, 0, 8, 2, 32, 16),         # first chunk (diagonal blocks only), GQA 4:1
     (1, 900, 16, 4, 64, 32),       # decode: the 4 heads of a KV head form one tile
+    (19, 40, 4, 2, 80, 16),        # hd an odd multiple of 16 and of 32 (the wide 1-vector strips)
 ])
-def test_attention_query_tiles_give_the_same_bits(n, pos0, n_heads, n_kv, hd, kv_bs):
-    """Tiles of queries share K / V loads but keep each query's arithmetic and its order, so
-    attention with tiles equals attention with every query alone, bit for bit (-0.0 included)."""
+
+
+def attention_off_and_on(switch, n, pos0, n_heads, n_kv, hd, kv_bs):
+    """A random attention case run with switch(False), then with switch(True) (left on):
+    the queries, the KV, both outputs and the state switch(True) returned."""
     rng = np.random.default_rng(n * pos0 + hd)
     kv = store_prompt(rng, pos0 + n, n_kv, hd, pos0 + n + 3)
     q = rng.standard_normal((n, n_heads, hd)).astype(np.float32)
     try:
-        assert K.set_attention_tiles(False) is False
-        alone = run_attention(q, kv, pos0, kv_bs, 2)
+        assert switch(False) is False
+        off = run_attention(q, kv, pos0, kv_bs, 2)
     finally:
-        assert K.set_attention_tiles(True) is True
-    tiled = run_attention(q, kv, pos0, kv_bs, 2)
+        on = switch(True)
+    return q, kv, off, run_attention(q, kv, pos0, kv_bs, 2), on
+
+
+@ATTENTION_SHAPES
+def test_attention_query_tiles_give_the_same_bits(n, pos0, n_heads, n_kv, hd, kv_bs):
+    """Tiles of queries share K / V loads but keep each query's arithmetic and its order, so
+    attention with tiles equals attention with every query alone, bit for bit (-0.0 included)."""
+    q, kv, alone, tiled, on = attention_off_and_on(K.set_attention_tiles, n, pos0, n_heads,
+                                                   n_kv, hd, kv_bs)
+    assert on is True
     np.testing.assert_array_equal(tiled.view(np.uint32), alone.view(np.uint32))
     want = ref_attention(q, *kv, pos0, 1.0 / np.sqrt(hd))
     assert report(f"attention tiles n={n} pos0={pos0} hd={hd}", tiled, want) < 2e-5
+
+
+@ATTENTION_SHAPES
+def test_attention_wide_vectors_give_the_same_bits(n, pos0, n_heads, n_kv, hd, kv_bs):
+    """On AVX512 CPUs attention runs on 16-float vectors (two keys a vector in the scores) with
+    each query's arithmetic and its order unchanged, so it equals the 8-float path bit for bit."""
+    _, _, narrow, wide, on = attention_off_and_on(K.set_matmul_vnni, n, pos0, n_heads, n_kv,
+                                                  hd, kv_bs)
+    if not on:
+        pytest.skip("no AVX512-VNNI on this CPU: only the 8-float path exists here")
+    np.testing.assert_array_equal(wide.view(np.uint32), narrow.view(np.uint32))
 
 
 def test_attention_rejects_bad_arguments():
