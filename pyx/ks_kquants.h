@@ -600,7 +600,7 @@ static inline void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
 #define KS_KQ_ENTRY_POINTS(name, kind)                                                         \
     static inline void ks_##name##_dequant_row(const uint8_t *row, float *out, int k)         \
     { ks_kq_dequant_row(kind, row, out, k); }                                                  \
-    static void ks_##name##_matmul_rows(KS_ROWS_PARAMS)                                   \
+    static void ks_##name##_matmul_rows(KS_ROWS_PARAMS)                                        \
     { ks_kq_matmul_rows(kind, KS_ROWS_ARGS); }
 
 KS_KQ_ENTRY_POINTS(q4k, KS_KQ_Q4K)
