@@ -70,35 +70,6 @@ static inline int64_t ks_attn_scratch_floats(int nq, int hd, int kv_bs)
     return 2 * (int64_t)hd * kv_bs + KS_ATTN_QB * (kv_bs + 1) + (int64_t)nq * (2 * hd + 3);
 }
 
-/* One query's online-softmax step over a block of qn keys (qn_pad: qn rounded up to 16):
- * sc (qn_pad) raw scores in, weights of the value rows out (0 past qn); updates m, l and
- * returns the factor the query's acc must be scaled by. ks, vs: the block's scales. */
-static inline float ks_attn_softmax_block(float *restrict sc, int qn, int qn_pad,
-                                          const float *restrict ks, const float *restrict vs,
-                                          float *restrict m, float *restrict l)
-{
-    for (int j = 0; j < qn; j++)
-        sc[j] *= ks[j];
-    for (int j = qn; j < qn_pad; j++)
-        sc[j] = -INFINITY;                  /* weight 0 below */
-    ks_v8 vmax = ks_v8_set1(*m);
-    for (int j = 0; j < qn_pad; j += 8)
-        vmax = ks_v8_max(vmax, ks_v8_load(sc + j));
-    const float mx = ks_v8_hmax(vmax);
-    const float corr = expf(*m - mx);       /* 0 on the first block (m = -inf) */
-    ks_v8 vsum = ks_v8_set1(0.0f);
-    for (int j = 0; j < qn_pad; j += 8) {
-        const ks_v8 e = ks_v8_exp(ks_v8_load(sc + j) - mx);
-        vsum += e;
-        ks_v8_store(sc + j, e);
-    }
-    *l = *l * corr + ks_v8_hsum(vsum);
-    *m = mx;
-    for (int j = 0; j < qn; j++)
-        sc[j] *= vs[j];                     /* weight of value row j */
-    return corr;
-}
-
 /* The core at the baseline width: 8 floats a vector, one key each */
 #define KS_AV ks_v8
 #define KS_AP 1
@@ -109,6 +80,8 @@ static inline float ks_attn_softmax_block(float *restrict sc, int qn, int qn_pad
 #define KS_AV_PART(v, h) (v)
 #define KS_AV_IN_REG(v) KS_IN_REG(v)
 #define KS_AV_SUMS 8
+#define KS_AV_MAX(a, b) ks_v8_max(a, b)
+#define KS_AV_EXP(x) ks_v8_exp(x)
 #define KS_AN(name) name
 #include "ks_attn_core.h"
 
@@ -118,6 +91,8 @@ static inline float ks_attn_softmax_block(float *restrict sc, int qn, int qn_pad
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni")
 typedef float ks_v16 __attribute__((vector_size(64)));
 typedef float ks_v16_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t ks_v16i __attribute__((vector_size(64)));
+KS_DEFINE_EXP(ks_v16_exp, ks_v16, ks_v16i)
 #define KS_AV ks_v16
 #define KS_AP 2
 #define KS_AV_LOAD(p) (*(const ks_v16_unaligned *)(p))
@@ -127,6 +102,8 @@ typedef float ks_v16_unaligned __attribute__((vector_size(64), aligned(4), may_a
 #define KS_AV_PART(v, h) ((ks_v8)_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)(v)), h))
 #define KS_AV_IN_REG(v) __asm__("" : "+v"(v))
 #define KS_AV_SUMS 16
+#define KS_AV_MAX(a, b) ((ks_v16)_mm512_max_ps((__m512)(a), (__m512)(b)))
+#define KS_AV_EXP(x) ks_v16_exp(x)
 #define KS_AN(name) name##_wide
 #include "ks_attn_core.h"
 #pragma GCC pop_options

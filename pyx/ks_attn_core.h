@@ -1,13 +1,14 @@
-/* Kestrel kernels: the attention core (scores, values, a tile of queries, a range of keys),
- * written once for two vector widths (no Python here). ks_attention.h includes it twice:
+/* Kestrel kernels: the attention core (scores, softmax, values, a tile of queries, a range of
+ * keys), written once for two vector widths (no Python here). ks_attention.h includes it twice:
  *   KS_AP 1: vectors of 8 floats (ks_v8), one key per vector (AVX2, NEON, plain builds);
  *   KS_AP 2: vectors of 16 floats (ks_v16), two keys per vector, compiled for AVX512 and
  *            taken at run time where the CPU has it (ks_use_vnni).
  * What the includer defines: KS_AV (the vector type), KS_AP (keys per vector), KS_AV_LOAD(p),
  * KS_AV_STORE(p, v), KS_AV_SET1(x), KS_AV_DUP8(p) (the 8 floats at p in every part),
  * KS_AV_PART(v, h) (part h as ks_v8), KS_AV_IN_REG(v) (as KS_IN_REG), KS_AV_SUMS (how many
- * value sums fit the registers: 8 of 16, 16 of 32) and KS_AN(name) (the name of this
- * instantiation's function); the end of this file undefines them.
+ * value sums fit the registers: 8 of 16, 16 of 32), KS_AV_MAX(a, b), KS_AV_EXP(x) and
+ * KS_AN(name) (the name of this instantiation's function); the end of this file undefines
+ * them.
  *
  * The arithmetic is the same for both: a score's lane sums are over d = e mod 8 whatever the
  * width (the wide vector holds two keys' 8 lane sums side by side, so each half is the narrow
@@ -107,6 +108,42 @@ void KS_AN(ks_attn_values)(const int QB, const int W, float *restrict acc,
     }
 }
 
+/* One query's online-softmax step over a block of qn keys (qn_pad: qn rounded up to 16):
+ * sc (qn_pad) raw scores in, weights of the value rows out (0 past qn); updates m, l and
+ * returns the factor the query's acc must be scaled by. ks, vs: the block's scales. The sum
+ * of the weights goes 8 lanes at a time in key order at every width. */
+static inline __attribute__((always_inline))
+float KS_AN(ks_attn_softmax_block)(float *restrict sc, int qn, int qn_pad,
+                                   const float *restrict ks, const float *restrict vs,
+                                   float *restrict m, float *restrict l)
+{
+    enum { L = 8 * KS_AP };
+    for (int j = 0; j < qn; j++)
+        sc[j] *= ks[j];
+    for (int j = qn; j < qn_pad; j++)
+        sc[j] = -INFINITY;                  /* weight 0 below */
+    KS_AV vmax = KS_AV_SET1(*m);
+    for (int j = 0; j < qn_pad; j += L)
+        vmax = KS_AV_MAX(vmax, KS_AV_LOAD(sc + j));
+    ks_v8 vmax8 = KS_AV_PART(vmax, 0);
+    for (int h = 1; h < KS_AP; h++)
+        vmax8 = ks_v8_max(vmax8, KS_AV_PART(vmax, h));
+    const float mx = ks_v8_hmax(vmax8);
+    const float corr = expf(*m - mx);       /* 0 on the first block (m = -inf) */
+    ks_v8 vsum = ks_v8_set1(0.0f);
+    for (int j = 0; j < qn_pad; j += L) {
+        const KS_AV e = KS_AV_EXP(KS_AV_LOAD(sc + j) - mx);
+        for (int h = 0; h < KS_AP; h++)
+            vsum += KS_AV_PART(e, h);
+        KS_AV_STORE(sc + j, e);
+    }
+    *l = *l * corr + ks_v8_hsum(vsum);
+    *m = mx;
+    for (int j = 0; j < qn; j++)
+        sc[j] *= vs[j];                     /* weight of value row j */
+    return corr;
+}
+
 /* ks_attn_values with the most dims a pass (W <= w_max) that hd and the registers allow */
 static inline __attribute__((always_inline))
 void KS_AN(ks_attn_values_fit)(const int QB, const int w_max, float *restrict acc,
@@ -137,7 +174,8 @@ void KS_AN(ks_attn_tile)(const int QB, int hd, const float *restrict qs, int qn,
     const int qn_pad = (qn + KS_ATTN_STRIP - 1) / KS_ATTN_STRIP * KS_ATTN_STRIP;
     KS_AN(ks_attn_scores)(QB, qs, kf, hd, qn_pad, sc, kv_bs);
     for (int u = 0; u < QB; u++)
-        corr[u] = ks_attn_softmax_block(sc + u * kv_bs, qn, qn_pad, ks, vs, m + u, l + u);
+        corr[u] = KS_AN(ks_attn_softmax_block)(sc + u * kv_bs, qn, qn_pad, ks, vs, m + u,
+                                               l + u);
     /* values in pairs of queries: 2 V loads and 2 weight broadcasts per 4 FMAs, fewer with W */
     for (int u = 0; u + 1 < QB; u += 2)
         KS_AN(ks_attn_values_fit)(2, KS_AV_SUMS / 4, acc + (int64_t)u * hd, corr + u,
@@ -229,4 +267,6 @@ static void KS_AN(ks_attn_range)(int nq, int hd, const float *restrict qs,
 #undef KS_AV_PART
 #undef KS_AV_IN_REG
 #undef KS_AV_SUMS
+#undef KS_AV_MAX
+#undef KS_AV_EXP
 #undef KS_AN

@@ -207,25 +207,29 @@ static inline void ks_v8_round_i8(ks_v8 v, int8_t *q)
 }
 
 /* exp(x) for softmax weights and SiLU: Cephes polynomial, about 2 ulp on [-87, 88], exactly 0
- * below -87 (and for -inf), exp(88) above 88. */
-static inline ks_v8 ks_v8_exp(ks_v8 x)
-{
-    const ks_v8 hi = ks_v8_set1(88.0f), lo = ks_v8_set1(-87.0f);
-    ks_v8 xc = ks_v8_select(x < lo, lo, x);
-    xc = ks_v8_select(xc > hi, hi, xc);
-    /* n = round(x / ln2) by the 1.5 * 2^23 trick */
-    const ks_v8 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const ks_v8 r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-    ks_v8 p = ks_v8_set1(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const ks_v8i e = (__builtin_convertvector(n, ks_v8i) + 127) << 23;
-    return ks_v8_select(x < lo, ks_v8_set1(0.0f), p * (ks_v8)e);
-}
+ * below -87 (and for -inf), exp(88) above 88. Defined by KS_DEFINE_EXP for a float vector type
+ * V and the int32 vector type VI of its width, so that every width computes the same bits. */
+#define KS_VSELECT(V, VI, mask, a, b) ((V)(((VI)(mask) & (VI)(a)) | (~(VI)(mask) & (VI)(b))))
+#define KS_DEFINE_EXP(name, V, VI)                                                            \
+    static inline V name(V x)                                                                 \
+    {                                                                                         \
+        const V hi = (V){0} + 88.0f, lo = (V){0} - 87.0f;                                     \
+        V xc = KS_VSELECT(V, VI, x < lo, lo, x);                                              \
+        xc = KS_VSELECT(V, VI, xc > hi, hi, xc);                                              \
+        /* n = round(x / ln2) by the 1.5 * 2^23 trick */                                      \
+        const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                  \
+        const V r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;                             \
+        V p = (V){0} + 1.9875691500e-4f;                                                      \
+        p = p * r + 1.3981999507e-3f;                                                         \
+        p = p * r + 8.3334519073e-3f;                                                         \
+        p = p * r + 4.1665795894e-2f;                                                         \
+        p = p * r + 1.6666665459e-1f;                                                         \
+        p = p * r + 5.0000001201e-1f;                                                         \
+        p = p * r * r + r + 1.0f;                                                             \
+        const VI e = (__builtin_convertvector(n, VI) + 127) << 23;                            \
+        return KS_VSELECT(V, VI, x < lo, (V){0}, p * (V)e);                                   \
+    }
+KS_DEFINE_EXP(ks_v8_exp, ks_v8, ks_v8i)
 
 /* out = gate * sigmoid(gate) * up over n floats (out may be gate). */
 static inline void ks_swiglu(const float *gate, const float *up, float *out, int64_t n)
