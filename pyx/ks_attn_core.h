@@ -12,7 +12,8 @@
  *
  * The arithmetic is the same for both: a score's lane sums are over d = e mod 8 whatever the
  * width (the wide vector holds two keys' 8 lane sums side by side, so each half is the narrow
- * vector's), and a value's output floats are each computed alone. So the two give the same
+ * vector's), a value's output floats and the softmax's exp are each computed alone, and the
+ * softmax's sum goes 8 lanes at a time in key order at both widths. So the two give the same
  * bits (tests/test_kernels.py checks it), and tiles of queries do too (the arithmetic below is
  * per query; tiles only decide how many queries share the loads of one K or V vector: every
  * score, weight and output float of a query is computed by the same operations in the same
