@@ -14,13 +14,7 @@ cdef extern from "ks_q8.h" nogil:
     void ks_quantize_row_q8_0(const float *x, int8_t *q, float *d, int16_t *h, int k)
     void ks_q8_half_sums(const int8_t *q, int64_t k, int16_t *h)
     void ks_dequantize_row_q8_0(const uint8_t *w, float *out, int k)
-    void ks_q8_matmul_rows(const uint8_t *w, int64_t w_stride, const int8_t *xq,
-                           const float *xd, const int16_t *xh, int n, int k, float *out, int m,
-                           int r0, int r1)
     int ks_set_vnni(int on)
-    void ks_q8_matmul_rows_plain(const uint8_t *w, int64_t w_stride, const int8_t *xq,
-                                 const float *xd, const int16_t *xh, int n, int k, float *out,
-                                 int m, int r0, int r1)
 
 
 cdef extern from "ks_attention.h" nogil:

@@ -186,7 +186,7 @@ static inline void ks_kq_matmul_rows_plain(const int kind, KS_ROWS_PARAMS)
 /* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ----
  * As in ks_q8.h: NEON decode takes 8 x 1 tiles (and asks for the next tile's bytes while it
  * computes), NEON prefill 4 x 2 tiles, so each weight block loaded and unpacked feeds 2
- * tokens. x86 takes the 8-row tiles of ks_kq_tile8.h, but for AVX2's Q6_K decode (8 x 1 here).
+ * tokens. x86 takes the tiles of ks_kq_tile.h, but for AVX2's Q6_K decode (8 x 1 here).
  * The per-block scales of the 8 lanes are unpacked once per superblock. */
 #if defined(KS_HAVE_SIMD_MATMUL)
 
@@ -494,7 +494,7 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
             const __m256 isum = ks_q6k_isum_avx2(R, T, wp, off, s, xp, b);
             const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
                                              dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
-            acc = ks_fmadd_avx2(isum, _mm256_mul_ps(d, dx), acc);
+            acc = ks_fmadd_t8(isum, _mm256_mul_ps(d, dx), acc);
 #else
             float32x4_t is[2];
             ks_kq_isum(kind, R, T, wp, off, s, xp, b, is);
@@ -516,41 +516,140 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
 }
 
 #if defined(KS_AVX2)
-/* ---- x86: tiles on transposed codes, 8 rows on AVX2 (ks_kq_tile8.h), 16 on AVX512-VNNI
- * (ks_kq_tile16.h) --------------------------------------------------------------------------- */
-#include "ks_kq_tile8.h"
+/* ---- x86: ks_kq_tile.h's tiles on transposed codes, 8 rows on AVX2, 16 on AVX512-VNNI, and
+ * the helpers in which the two widths differ ------------------------------------------------ */
+
+/* A superblock's lane scales: Q4_K / Q5_K's ds[s], dm[s] (ks_kq_lane_scales); Q6_K's d in
+ * ds[0] and its 16 int8 scales in sc6 (scale e: byte e % 4 of dword e / 4 of every lane). */
+KS_INLINE void ks_kq_scales_t8(const int kind, const uint8_t *const wp[8], int64_t off,
+                               __m256 ds[8], __m256 dm[8], __m256i sc6[4])
+{
+    if (kind == KS_KQ_Q6K) {
+        ds[0] = ks_q6k_lane_scales(8, wp, off);
+        ks_transpose8x4_epi32(8, wp, off + 192, sc6);
+    } else {
+        ks_kq_lane_scales(8, wp, off, ds, dm);
+    }
+}
+
+/* Q6_K: each row's 32 codes of block s, transposed */
+KS_INLINE void ks_q6k_codes_t8(const uint8_t *const wp[8], int64_t off, const int s, __m256i codes[8])
+{
+    __m256i r[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = ks_q6k_codes_avx2(wp[i] + off, s);
+    ks_transpose8x8_epi32(r, codes);
+}
+
+/* Q6_K block s's scales a = 2s and b = 2s + 1 (bytes 2 (s % 2), +1 of dword s / 2, sign-extended)
+ * as the int16 pairs (a, a), (b, b) and (a, b) */
+KS_INLINE void ks_q6k_block_scales_t8(const __m256i sc6[4], const int s, __m256i sc[3])
+{
+    const __m256i sw = sc6[s / 2], lo = _mm256_set1_epi32(0xffff);
+    const __m256i a = _mm256_srai_epi32(_mm256_slli_epi32(sw, 24 - 16 * (s % 2)), 24);
+    const __m256i b = _mm256_srai_epi32(_mm256_slli_epi32(sw, 16 - 16 * (s % 2)), 24);
+    sc[0] = _mm256_or_si256(_mm256_and_si256(a, lo), _mm256_slli_epi32(a, 16));
+    sc[1] = _mm256_or_si256(_mm256_and_si256(b, lo), _mm256_slli_epi32(b, 16));
+    sc[2] = _mm256_or_si256(_mm256_and_si256(a, lo), _mm256_slli_epi32(b, 16));
+}
+
+/* Q6_K: every lane's exact isum with the token block xb (h: its two half sums). a * (q . x) +
+ * b * (...) in maddubs' pairwise adds (vpmulld would take the multiply port twice), then the
+ * -32 offset as 32 * (a * half sum 0 + b * half sum 1): one more pairwise add. */
+KS_INLINE __m256i ks_q6k_isum_t8(const __m256i codes[8], const int8_t *xb, const __m256i sc[3],
+                                 const int16_t *h)
+{
+    int32_t hh;
+    memcpy(&hh, h, 4);
+    const __m256i dot = ks_dot_chunks_scaled_avx2(
+        ks_dot_chunks_scaled_avx2(_mm256_setzero_si256(), codes, xb, 0, 4, 2, sc[0]),
+        codes, xb, 4, 8, 2, sc[1]);
+    return _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(sc[2], _mm256_set1_epi32(hh)), 5));
+}
+
+#define KS_TW 8
+#include "ks_kq_tile.h"
+#undef KS_TW
+
 #if defined(KS_HAVE_VNNI)
-#include "ks_kq_tile16.h"
+/* a float vector from two 8-lane halves (rows 0-7, rows 8-15) */
+KS_VNNI_FN __m512 ks_join16_ps(__m256 lo, __m256 hi)
+{
+    return _mm512_castsi512_ps(ks_join16(_mm256_castps_si256(lo), _mm256_castps_si256(hi)));
+}
+
+/* ks_kq_scales_t8 on 16 rows: each half's lanes as the 8-row tile's */
+KS_VNNI_FN void ks_kq_scales_t16(const int kind, const uint8_t *const wp[16], int64_t off,
+                                 __m512 ds[8], __m512 dm[8], __m512i sc6[4])
+{
+    __m256 dsl[8], dml[8], dsh[8], dmh[8];
+    __m256i lo[4], hi[4];
+    ks_kq_scales_t8(kind, wp, off, dsl, dml, lo);
+    ks_kq_scales_t8(kind, wp + 8, off, dsh, dmh, hi);
+    if (kind == KS_KQ_Q6K) {
+        ds[0] = ks_join16_ps(dsl[0], dsh[0]);
+        for (int e = 0; e < 4; e++)
+            sc6[e] = ks_join16(lo[e], hi[e]);
+    } else {
+        for (int s = 0; s < 8; s++) {
+            ds[s] = ks_join16_ps(dsl[s], dsh[s]);
+            dm[s] = ks_join16_ps(dml[s], dmh[s]);
+        }
+    }
+}
+
+/* ks_q6k_codes_t8 on 16 rows (rows i and 8 + i in the halves of one vector) */
+KS_VNNI_FN void ks_q6k_codes_t16(const uint8_t *const wp[16], int64_t off, const int s, __m512i codes[8])
+{
+    __m512i r[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = ks_join16(ks_q6k_codes_avx2(wp[i] + off, s), ks_q6k_codes_avx2(wp[i + 8] + off, s));
+    ks_transpose16x8_epi32(r, codes);
+}
+
+/* Q6_K block s's scales 2s and 2s + 1, sign-extended int32 */
+KS_VNNI_FN void ks_q6k_block_scales_t16(const __m512i sc6[4], const int s, __m512i sc[3])
+{
+    sc[0] = _mm512_srai_epi32(_mm512_slli_epi32(sc6[s / 2], 24 - 16 * (s % 2)), 24);
+    sc[1] = _mm512_srai_epi32(_mm512_slli_epi32(sc6[s / 2], 16 - 16 * (s % 2)), 24);
+}
+
+/* Q6_K: every lane's exact isum, the -32 offset as each half's start (-32 * its x sum) */
+KS_VNNI_FN __m512i ks_q6k_isum_t16(const __m512i codes[8], const int8_t *xb, const __m512i sc[3],
+                                   const int16_t *h)
+{
+    const __m512i sa = ks_dot_chunks_t16(_mm512_set1_epi32(-32 * h[0]), codes, xb, 0, 4, 1);
+    const __m512i sb = ks_dot_chunks_t16(_mm512_set1_epi32(-32 * h[1]), codes, xb, 4, 8, 1);
+    return _mm512_add_epi32(_mm512_mullo_epi32(sa, sc[0]), _mm512_mullo_epi32(sb, sc[1]));
+}
+
+#define KS_TW 16
+#include "ks_kq_tile.h"
+#undef KS_TW
 
 /* one VNNI function per type (an always-inline body is specialized only where it is inlined) */
 KS_VNNI_TARGET static void ks_q4k_matmul_rows_vnni(KS_ROWS_PARAMS)
-{ ks_kq_matmul_rows_vnni(KS_KQ_Q4K, KS_ROWS_ARGS); }
+{ ks_kq_matmul_rows_t16(KS_KQ_Q4K, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q5k_matmul_rows_vnni(KS_ROWS_PARAMS)
-{ ks_kq_matmul_rows_vnni(KS_KQ_Q5K, KS_ROWS_ARGS); }
+{ ks_kq_matmul_rows_t16(KS_KQ_Q5K, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_ROWS_PARAMS)
-{ ks_kq_matmul_rows_vnni(KS_KQ_Q6K, KS_ROWS_ARGS); }
+{ ks_kq_matmul_rows_t16(KS_KQ_Q6K, KS_ROWS_ARGS); }
 #endif
 #endif /* KS_AVX2 */
 
-/* Same contract as ks_kq_matmul_rows_plain. x86: prefill on AVX512-VNNI CPUs in the 16-row
- * tiles of ks_kq_tile16.h; else the 8-row tiles of ks_kq_tile8.h, but for Q6_K decode: its
- * codes are built per row, so one token pays a transpose per block that the 8 x 1 tile with
- * horizontal sums avoids (measured faster there by bench/kernels.py). NEON: decode in 8 x 1
- * tiles, prefill in 4 x 2. */
+/* Same contract as ks_kq_matmul_rows_plain. AVX2: ks_kq_tile.h's 8-row tiles, but for Q6_K
+ * decode: its codes are built per row, so one token pays a transpose per block that the 8 x 1
+ * tile with horizontal sums avoids (measured faster there by bench/kernels.py). NEON: decode
+ * in 8 x 1 tiles, prefill in 4 x 2. AVX512-VNNI CPUs take the *_vnni entry points above instead
+ * (ks_weights.h's table), ks_kq_tile.h's 16-row tiles for decode too: 1.04-1.47x the 8-row
+ * tiles with the rows in cache, Q4_K about 0.95x from memory. */
 KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, nsb = k / KS_QK_K, sums = kind != KS_KQ_Q6K;
     float res[8];
-#if defined(KS_HAVE_VNNI)
-    if (n > 1 && ks_use_vnni()) {
-        (kind == KS_KQ_Q4K ? ks_q4k_matmul_rows_vnni : kind == KS_KQ_Q5K ? ks_q5k_matmul_rows_vnni
-                           : ks_q6k_matmul_rows_vnni)(KS_ROWS_ARGS);
-        return;
-    }
-#endif
 #if defined(KS_AVX2)
     if (n > 1 || kind != KS_KQ_Q6K) {
-        ks_kq_matmul_rows_avx2(kind, KS_ROWS_ARGS);
+        ks_kq_matmul_rows_t8(kind, KS_ROWS_ARGS);
         return;
     }
 #endif

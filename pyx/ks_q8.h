@@ -144,7 +144,7 @@ KS_INLINE __m256i ks_pairsum_avx2(__m256i a, __m256i b)
 }
 
 /* acc + a * b lane by lane, with the one rounding of KS_FMADD (every type's tiles use it) */
-KS_INLINE __m256 ks_fmadd_avx2(__m256 a, __m256 b, __m256 acc)
+KS_INLINE __m256 ks_fmadd_t8(__m256 a, __m256 b, __m256 acc)
 {
 #if defined(KS_HAS_FMA)
     return _mm256_fmadd_ps(a, b, acc);
@@ -191,7 +191,7 @@ KS_INLINE void ks_transpose8x8_epi32(const __m256i r[8], __m256i c[8])
 }
 
 /* c[q] lane i = dword q of the 32 bytes at wp[i] + off (ks_transpose8x8_epi32) */
-KS_INLINE void ks_load8_transposed(const uint8_t *const wp[8], int64_t off, __m256i c[8])
+KS_INLINE void ks_load_transposed_t8(const uint8_t *const wp[8], int64_t off, __m256i c[8])
 {
     __m256i r[8];
     for (int i = 0; i < 8; i++)
@@ -211,7 +211,7 @@ KS_INLINE __m256i ks_bcast_chunk(const int8_t *p)
  * x's chunk q broadcast, for q0 <= q < q1 (a multiple of g): row i's sums in lane i. The
  * maddubs pair sums of g chunks are added in int16 before widening, which is exact while
  * 2g * (largest code) * 127 < 2^15 (|x| <= 127): g = 2 for codes <= 63, 4 for <= 31, 8 for
- * <= 15. ks_dot_chunks_vnni16 is its one-instruction-per-chunk twin on 16 rows. The scaled form
+ * <= 15. ks_dot_chunks_t16 is its one-instruction-per-chunk twin on 16 rows. The scaled form
  * widens with the int16 pair sc instead of 1 (each lane's int16 halves hold its row's scale), so
  * the products come out times a per-row scale at no extra multiply. */
 KS_INLINE __m256i ks_dot_chunks_scaled_avx2(__m256i acc, const __m256i *u, const int8_t *x,
@@ -226,10 +226,56 @@ KS_INLINE __m256i ks_dot_chunks_scaled_avx2(__m256i acc, const __m256i *u, const
     return acc;
 }
 
-KS_INLINE __m256i ks_dot_chunks_avx2(__m256i acc, const __m256i *u, const int8_t *x, int q0,
+KS_INLINE __m256i ks_dot_chunks_t8(__m256i acc, const __m256i *u, const int8_t *x, int q0,
                                      int q1, const int g)
 {
     return ks_dot_chunks_scaled_avx2(acc, u, x, q0, q1, g, _mm256_set1_epi16(1));
+}
+
+/* ---- the transposed tiles, written once for two widths ------------------------------------
+ * The x86 prefill tiles of Q4_0's family and of the K types (ks_q4_tile.h, ks_kq_tile.h) are
+ * each one source, included once per tile width KS_TW: 8 rows in 256-bit vectors (AVX2), and
+ * 16 rows in 512-bit vectors where the CPU has AVX512-VNNI. In that source KS_MM(op) is
+ * _mm256_op or _mm512_op, KS_TI / KS_TF the integer / float vector, KS_TN(name) the width's
+ * function name_t8 or name_t16 (helpers that differ by more than the vector size are written
+ * per width under those names), and KS_TFN, KS_TTOKENS, KS_T_TOKEN_TILES the width's
+ * KS_T8_* or KS_T16_*. Every op gives the same bits lane by lane at both widths. */
+#define KS_TCAT_(a, b, c) a##b##c
+#define KS_TCAT(a, b, c) KS_TCAT_(a, b, c)
+#define KS_TBITS KS_TCAT(KS_T, KS_TW, _BITS)
+#define KS_TI KS_TCAT(__m, KS_TBITS, i)
+#define KS_TF KS_TCAT(__m, KS_TBITS, )
+#define KS_MM(op) KS_TCAT(_mm, KS_TBITS, _##op)
+#define KS_MMSI(op) KS_TCAT(KS_MM(op##_si), KS_TBITS, )
+#define KS_TN(name) KS_TCAT(name, _t, KS_TW)
+#define KS_TFN KS_TCAT(KS_T, KS_TW, _FN)
+#define KS_TTOKENS KS_TCAT(KS_T, KS_TW, _TOKENS)
+#define KS_T_TOKEN_TILES KS_TCAT(KS_T, KS_TW, _TOKEN_TILES)
+
+#define KS_PRAGMA_(x) _Pragma(#x)
+#define KS_PRAGMA(x) KS_PRAGMA_(x)      /* a pragma whose arguments are macros */
+
+#define KS_T8_BITS 256
+#define KS_T8_FN KS_INLINE
+#define KS_T8_TOKENS 8          /* an unpacked block feeds 8 tokens (spilling, but faster than 4) */
+#define KS_T8_KQ_PAIRS 4        /* ks_kq_tile.h's unrolling */
+
+/* The tiles of rows r .. r + rv - 1 over the token block [tb, te) of a product's loop (out,
+ * m, res in scope): TILE(T, t, tv) computes the tile of tokens t .. t + tv - 1 into res. */
+#define KS_T8_TOKEN_TILES(TILE)                                                                 \
+    for (int t = tb; t < te; t += KS_T8_TOKENS) {                                               \
+        const int tv = te - t < KS_T8_TOKENS ? te - t : KS_T8_TOKENS;                           \
+        TILE(KS_T8_TOKENS, t, tv);                                                              \
+        ks_q8_store_tile(8, KS_T8_TOKENS, res, out, m, r, rv, t, tv);                           \
+    }
+
+/* 8 fp16 values at p[i] + off -> float lanes */
+KS_INLINE __m256 ks_fp16_lanes_t8(const uint8_t *const p[8], int64_t off)
+{
+    uint16_t h[8];
+    for (int i = 0; i < 8; i++)
+        h[i] = ks_load_u16le(p[i] + off);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
 #else
 /* 4 int32 partial sums of w . x for one block (two 16-byte halves). */
@@ -352,7 +398,7 @@ KS_INLINE void ks_q8_tile(const int R, const int T, const uint8_t *w, int64_t w_
             h[0 % R], h[1 % R], h[2 % R], h[3 % R], h[4 % R], h[5 % R], h[6 % R], h[7 % R]));
         const __m256 dx = _mm256_setr_ps(dp[0 / R][b], dp[1 / R][b], dp[2 / R][b], dp[3 / R][b],
                                          dp[4 / R][b], dp[5 / R][b], dp[6 / R][b], dp[7 / R][b]);
-        acc = ks_fmadd_avx2(isum, _mm256_mul_ps(dw, dx), acc);
+        acc = ks_fmadd_t8(isum, _mm256_mul_ps(dw, dx), acc);
     }
     _mm256_storeu_ps(res, acc);
 #else /* NEON: lanes 0-3 and 4-7 are two float32x4; R >= 4, so each half has one token */
@@ -420,7 +466,7 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
         uint16_t h[8];
         for (int i = 0; i < 8; i++)
             h[i] = ks_load_u16le(wp[i] + b * KS_QBLOCK);
-        ks_load8_transposed(wp, b * KS_QBLOCK + 2, c);
+        ks_load_transposed_t8(wp, b * KS_QBLOCK + 2, c);
         for (int q = 0; q < 8; q++)
             a[q] = _mm256_abs_epi8(c[q]);
         const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
@@ -434,7 +480,7 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
                     _mm256_maddubs_epi16(a[q], _mm256_sign_epi8(xv, c[q])), ones));
             }
             const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(dp[j][b]));
-            acc[j] = ks_fmadd_avx2(_mm256_cvtepi32_ps(s), d, acc[j]);
+            acc[j] = ks_fmadd_t8(_mm256_cvtepi32_ps(s), d, acc[j]);
         }
     }
     for (int j = 0; j < T; j++)
@@ -444,7 +490,7 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
 
 
 #if defined(KS_AVX2) && defined(__GNUC__)
-/* ---- prefill with AVX512-VNNI (runtime-dispatched; the build's baseline stays AVX2) --------
+/* ---- products with AVX512-VNNI (runtime-dispatched; the build's baseline stays AVX2) -------
  * A tile of 16 rows x up to 32 tokens in 512-bit vectors. The rows' 32-byte blocks are
  * transposed as dwords (rows i and 8 + i in the two halves of one vector), so lane i of every
  * vector belongs to row i: vpdpbusd with a broadcast 4-byte chunk of a token then adds row i's chunk product
@@ -453,8 +499,8 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
  * product (README, "Speed", has the measured gain). vpdpbusd multiplies unsigned by signed
  * bytes: the weights are flipped to w + 128 (xor 0x80) and the sum starts at -128 * sum(x)
  * of the block, so it is exact. The float side is the same fma(isum, dw * dx, acc) per block,
- * in order: bit-identical. The K types' and Q4_0 family's tiles (ks_kq_tile16.h,
- * ks_q4_tile16.h) share the helpers below. */
+ * in order: bit-identical. The K types' and Q4_0 family's 16-row tiles (ks_kq_tile.h,
+ * ks_q4_tile.h) share the helpers below. */
 #define KS_HAVE_VNNI 1
 #define KS_VNNI_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f")))
 /* Tokens per tile: a whole token block where one is left, so each block of 16 rows is
@@ -487,11 +533,14 @@ static inline int ks_set_vnni(int on)
  * laid out as the AVX2 8-row tiles'. */
 #define KS_VNNI_FN KS_VNNI_TARGET static inline __attribute__((always_inline))
 
-/* The tiles of rows r .. r + rv - 1 over the token block [tb, te) of a product's loop (out,
- * m, res in scope): a wide tile while a whole one is left, then narrow ones. TILE(T, t, tv)
- * computes the tile of tokens t .. t + tv - 1 into res, T a constant, so that each width gets
- * its own specialized loops. */
-#define KS_VNNI16_TOKEN_TILES(TILE)                                                            \
+#define KS_T16_BITS 512
+#define KS_T16_FN KS_VNNI_FN
+#define KS_T16_TOKENS KS_VNNI_TOKENS_WIDE
+#define KS_T16_KQ_PAIRS 1
+
+/* As KS_T8_TOKEN_TILES: a wide tile while a whole one is left, then narrow ones, T a constant
+ * in each call, so that each width gets its own specialized loops. */
+#define KS_T16_TOKEN_TILES(TILE)                                                            \
     for (int t = tb; t < te;) {                                                                 \
         const int T = te - t >= KS_VNNI_TOKENS_WIDE ? KS_VNNI_TOKENS_WIDE : KS_VNNI_TOKENS;     \
         const int tv = te - t < T ? te - t : T;                                                 \
@@ -534,7 +583,7 @@ KS_VNNI_FN __m512i ks_join16(__m256i a, __m256i b)
 }
 
 /* c[q] lane i = dword q of the 32 bytes at wp[i] + off, i < 16 */
-KS_VNNI_FN void ks_load16_transposed(const uint8_t *const wp[16], int64_t off, __m512i c[8])
+KS_VNNI_FN void ks_load_transposed_t16(const uint8_t *const wp[16], int64_t off, __m512i c[8])
 {
     __m512i r[8];
     for (int i = 0; i < 8; i++)
@@ -543,12 +592,13 @@ KS_VNNI_FN void ks_load16_transposed(const uint8_t *const wp[16], int64_t off, _
     ks_transpose16x8_epi32(r, c);
 }
 
-/* ks_dot_chunks_avx2 on 16 rows in one instruction per chunk (vpdpbusd: unsigned u times
+/* ks_dot_chunks_t8 on 16 rows in one instruction per chunk (vpdpbusd: unsigned u times
  * signed x), the chunks alternating between two sums, so that consecutive vpdpbusd do not wait
  * on each other's result (its latency is several cycles) */
-KS_VNNI_FN __m512i ks_dot_chunks_vnni16(__m512i acc, const __m512i *u, const int8_t *x, int q0,
-                                        int q1)
+KS_VNNI_FN __m512i ks_dot_chunks_t16(__m512i acc, const __m512i *u, const int8_t *x, int q0,
+                                     int q1, const int g)
 {
+    (void)g;    /* AVX2's int16 grouping: vpdpbusd widens every product itself */
     __m512i odd = _mm512_setzero_si512();
     for (int q = q0; q < q1; q++) {
         int32_t v;
@@ -561,8 +611,10 @@ KS_VNNI_FN __m512i ks_dot_chunks_vnni16(__m512i acc, const __m512i *u, const int
     return _mm512_add_epi32(acc, odd);
 }
 
+KS_VNNI_FN __m512 ks_fmadd_t16(__m512 a, __m512 b, __m512 acc) { return _mm512_fmadd_ps(a, b, acc); }
+
 /* 16 fp16 values at p[i] + off -> float lanes */
-KS_VNNI_FN __m512 ks_fp16_lanes16(const uint8_t *const p[16], int64_t off)
+KS_VNNI_FN __m512 ks_fp16_lanes_t16(const uint8_t *const p[16], int64_t off)
 {
     uint16_t h[16];
     for (int i = 0; i < 16; i++)
@@ -587,14 +639,14 @@ KS_VNNI_FN void ks_q8_tile16_vnni(const int T, const uint8_t *w, int64_t w_strid
         acc[j] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m512i c[8];
-        ks_load16_transposed(wp, b * KS_QBLOCK + 2, c);
+        ks_load_transposed_t16(wp, b * KS_QBLOCK + 2, c);
         for (int q = 0; q < 8; q++)
             c[q] = _mm512_xor_si512(c[q], flip);
-        const __m512 dw = ks_fp16_lanes16(wp, b * KS_QBLOCK);
+        const __m512 dw = ks_fp16_lanes_t16(wp, b * KS_QBLOCK);
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
             const __m512 isum = _mm512_cvtepi32_ps(
-                ks_dot_chunks_vnni16(_mm512_set1_epi32(sp[j][b]), c, xb, 0, 8));
+                ks_dot_chunks_t16(_mm512_set1_epi32(sp[j][b]), c, xb, 0, 8, 1));
             acc[j] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, _mm512_set1_ps(dp[j][b])), acc[j]);
         }
     }
@@ -602,22 +654,29 @@ KS_VNNI_FN void ks_q8_tile16_vnni(const int T, const uint8_t *w, int64_t w_strid
         _mm512_storeu_ps(res + 16 * j, acc[j]);
 }
 
-/* ks_q8_matmul_rows for n > 1 on AVX512-VNNI CPUs. */
+/* The Q8_0 product on AVX512-VNNI CPUs (ks_weights.h's table takes it over ks_q8_matmul_rows
+ * there): decode (n == 1) in 16 x 1 tiles too, which beat the 8 x 1 tile's horizontal sums
+ * with the rows in cache (1.3x) and match it from memory (scripts/ab_kernels.py). */
 KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(KS_ROWS_PARAMS)
 {
-    const int nb = k / KS_QK;
-    int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
+    const int nb = k / KS_QK, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
+    int32_t xs[tblock * nb];
     float res[16 * KS_VNNI_TOKENS_WIDE];
-    for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
-        const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
+    for (int tb = 0; tb < n; tb += tblock) {
+        const int te = tb + tblock < n ? tb + tblock : n;
         for (int t = tb; t < te; t++)
             for (int b = 0; b < nb; b++)
                 xs[(t - tb) * nb + b] = -128 * ks_q8_block_sum(xh + (int64_t)t * 2 * nb, b);
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
+            if (n == 1) {      /* decode */
+                ks_q8_tile16_vnni(1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, xs, 1, nb, res);
+                ks_q8_store_tile(16, 1, res, out, m, r, rv, 0, 1);
+                continue;
+            }
 #define KS_Q8_TILE16(TT, t, tv) ks_q8_tile16_vnni(TT, w + (int64_t)r * w_stride, w_stride, rv, \
     xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res)
-            KS_VNNI16_TOKEN_TILES(KS_Q8_TILE16)
+            KS_T16_TOKEN_TILES(KS_Q8_TILE16)
 #undef KS_Q8_TILE16
         }
     }
@@ -680,7 +739,11 @@ static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
 }
 #endif
 
-#if !defined(KS_HAVE_VNNI)
+#if defined(KS_HAVE_VNNI)
+#define KS_VNNI_ROWS(fn) fn         /* a type's VNNI product, for ks_weights.h's table */
+#else
+#define KS_VNNI_ROWS(fn) NULL
+static inline int ks_use_vnni(void) { return 0; }
 static inline int ks_set_vnni(int on) { (void)on; return 0; }
 #endif
 

@@ -51,23 +51,28 @@ typedef struct {
 typedef void (*ks_rows_fn)(KS_ROWS_PARAMS);
 typedef void (*ks_dequant_fn)(const uint8_t *row, float *out, int k);
 
-/* What a weight type is and, for the types the kernels compute on, its kernels. */
+/* What a weight type is and, for the types the kernels compute on, its kernels: the build's
+ * product (AVX2, NEON or plain C), its plain C twin, and the AVX512-VNNI product that
+ * ks_matrix_rows takes instead on CPUs that have it (NULL where the build has none). */
 typedef struct {
     int type, block, block_bytes;     /* values and bytes per block (GGML's layouts) */
     ks_dequant_fn dequant_row;        /* NULL: the kernels do not compute on it */
-    ks_rows_fn rows, rows_plain;
+    ks_rows_fn rows, rows_plain, rows_vnni;
 } ks_type_ops;
 
+/* a type's three products, by the stem of their names (ks_<stem>_matmul_rows...) */
+#define KS_ROWS_FNS(stem) ks_##stem##_matmul_rows, ks_##stem##_matmul_rows_plain, \
+    KS_VNNI_ROWS(ks_##stem##_matmul_rows_vnni)
+
 static const ks_type_ops ks_types[] = {
-    {KS_TYPE_F32, 1, 4, NULL, NULL, NULL},       /* MoE routers: float dot products */
-    {KS_TYPE_Q4_0, 32, 18, ks_q4_0_dequant_row, ks_q4_0_matmul_rows, ks_q4_0_matmul_rows_plain},
-    {KS_TYPE_Q4_1, 32, 20, ks_q4_1_dequant_row, ks_q4_1_matmul_rows, ks_q4_1_matmul_rows_plain},
-    {KS_TYPE_Q5_0, 32, 22, ks_q5_0_dequant_row, ks_q5_0_matmul_rows, ks_q5_0_matmul_rows_plain},
-    {KS_TYPE_Q8_0, 32, KS_QBLOCK, ks_dequantize_row_q8_0, ks_q8_matmul_rows,
-     ks_q8_matmul_rows_plain},
-    {KS_TYPE_Q4_K, 256, 144, ks_q4k_dequant_row, ks_q4k_matmul_rows, ks_q4k_matmul_rows_plain},
-    {KS_TYPE_Q5_K, 256, 176, ks_q5k_dequant_row, ks_q5k_matmul_rows, ks_q5k_matmul_rows_plain},
-    {KS_TYPE_Q6_K, 256, 210, ks_q6k_dequant_row, ks_q6k_matmul_rows, ks_q6k_matmul_rows_plain},
+    {KS_TYPE_F32, 1, 4, NULL, NULL, NULL, NULL},       /* MoE routers: float dot products */
+    {KS_TYPE_Q4_0, 32, 18, ks_q4_0_dequant_row, KS_ROWS_FNS(q4_0)},
+    {KS_TYPE_Q4_1, 32, 20, ks_q4_1_dequant_row, KS_ROWS_FNS(q4_1)},
+    {KS_TYPE_Q5_0, 32, 22, ks_q5_0_dequant_row, KS_ROWS_FNS(q5_0)},
+    {KS_TYPE_Q8_0, 32, KS_QBLOCK, ks_dequantize_row_q8_0, KS_ROWS_FNS(q8)},
+    {KS_TYPE_Q4_K, 256, 144, ks_q4k_dequant_row, KS_ROWS_FNS(q4k)},
+    {KS_TYPE_Q5_K, 256, 176, ks_q5k_dequant_row, KS_ROWS_FNS(q5k)},
+    {KS_TYPE_Q6_K, 256, 210, ks_q6k_dequant_row, KS_ROWS_FNS(q6k)},
 };
 #define KS_N_TYPES ((int)(sizeof(ks_types) / sizeof(ks_types[0])))
 
@@ -121,8 +126,10 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
 static inline void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
                                   const int16_t *xh, int n, float *out, int r0, int r1)
 {
-    ks_type(w->type)->rows(w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, xh, n,
-                           w->cols, out, w->rows, r0, r1);
+    const ks_type_ops *t = ks_type(w->type);
+    (t->rows_vnni && ks_use_vnni() ? t->rows_vnni : t->rows)(
+        w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, xh, n, w->cols, out,
+        w->rows, r0, r1);
 }
 
 /* The plain C twin of ks_matrix_rows (the reference every SIMD path must equal exactly). */

@@ -11,7 +11,7 @@ activations; the best time of each over the rounds is what the code can do.
     .venv/bin/python scripts/ab_kernels.py /tmp/base . --types Q4_K,Q6_K
 
 Products per type, one thread: prefill (64 tokens x a 4096 x 4096 matrix, GMAC/s) and decode
-(one token x 0.4 GB of rows, GB/s). `--no-vnni` takes the AVX2 paths on a VNNI CPU. Not a
+(one token x 0.4 GB of rows or `--decode-mb`, GB/s). `--no-vnni` takes the AVX2 paths on a VNNI CPU. Not a
 benchmark against llama.cpp (bench/ has those): a tool for deciding a kernel change.
 """
 from __future__ import annotations
@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K")
     ap.add_argument("--rounds", type=int, default=13)
     ap.add_argument("--no-vnni", action="store_true", help="the AVX2 paths on a VNNI CPU")
+    ap.add_argument("--decode-mb", type=float, default=400,
+                    help="the decode rows' size: 400 streams from memory, a few MB stay in cache")
     args = ap.parse_args(argv)
     builds = {"A": load_build("build_a", args.a), "B": load_build("build_b", args.b)}
     for K in builds.values():
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
         xq, xd = activations(builds["A"], rng, 64, k)
         out = np.empty((64, m), np.float32)
         pre = best_of(builds, lambda K: K.matmul(w, int(qt), xq, xd, out, 1), args.rounds)
-        rows = int(0.4e9 / (k // block * size)) // 8 * 8
+        rows = max(16, int(args.decode_mb * 1e6 / (k // block * size)) // 16 * 16)
         wd = random_blocks(rng, qt, rows, k)
         x1q, x1d = activations(builds["A"], rng, 1, k)
         o1 = np.empty((1, rows), np.float32)
