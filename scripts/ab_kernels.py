@@ -6,8 +6,11 @@ than the code. This loads both compiled modules (`kestreld/_kernels*.so` of two 
 into one process and times them alternately, call by call, on the same weights and
 activations; the best time of each over the rounds is what the code can do.
 
-    git worktree add /tmp/base HEAD && make -C /tmp/base build VENV=$PWD/.venv   # the base
+    git worktree add /tmp/base HEAD                                             # the base,
+    (cd /tmp/base && $OLDPWD/.venv/bin/python setup.py -q build_ext --inplace -j 2)  # built
     make build                                                                  # the change
+
+(not `make -C /tmp/base build VENV=...`: the venv's editable install would move to /tmp/base)
     .venv/bin/python scripts/ab_kernels.py /tmp/base . --types Q4_K,Q6_K
 
 Products per type, one thread: prefill (64 tokens x a 4096 x 4096 matrix, GMAC/s) and decode

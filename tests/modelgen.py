@@ -28,6 +28,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kestreld.model.convert import write_and_close
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -352,17 +354,8 @@ def write_gguf(spec: ModelSpec, weights: dict[str, np.ndarray], tok: GenTokenize
     w.add_pad_token_id(tok.pad_id)
     w.add_add_bos_token(False)
     w.add_chat_template(chat_template)
-    for name, arr in gguf_tensors(spec, weights).items():
-        if arr.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, arr.astype(np.float32))
-        elif qtype == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(name, arr.astype(np.float16))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w, ((name, arr, gguf.GGMLQuantizationType.F32 if arr.ndim == 1 else qtype)
+                        for name, arr in gguf_tensors(spec, weights).items()))
 
 
 # ---------------------------------------------------------------- one call

@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 
 import modelgen
+from kestreld.model.convert import write_and_close
 from modelgen import CHAT_TEMPLATE, GGUF_TYPES, GeneratedModel, ModelSpec
 
 
@@ -163,17 +164,9 @@ def write_moe_gguf(spec: MoESpec, weights: dict[str, np.ndarray], tok: modelgen.
     w.add_pad_token_id(tok.pad_id)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
-    for name, arr in gguf_moe_tensors(spec, weights).items():
-        if arr.ndim == 1 or name.endswith("ffn_gate_inp.weight") or tensor_type == "f32":
-            w.add_tensor(name, arr.astype(np.float32))
-        elif tensor_type == "f16":
-            w.add_tensor(name, arr.astype(np.float16))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    f32 = gguf.GGMLQuantizationType.F32      # norms and the router stay float
+    write_and_close(w, ((name, arr, f32 if arr.ndim == 1 or name.endswith("ffn_gate_inp.weight")
+                         else qtype) for name, arr in gguf_moe_tensors(spec, weights).items()))
 
 
 def prompt_ids(name: str, n: int, seed: int = 0) -> list[int]:

@@ -1,11 +1,12 @@
-"""Rewrite a GGUF file with every weight matrix in Q8_0, the layout Kestrel computes on.
+"""Rewrite a GGUF file with its weight matrices in Q8_0 (those of the types in `keep` as they are).
 
-A Q8_0 GGUF is used straight from its memory map (no conversion at load), and it is the
-file that llama.cpp and Kestrel are compared on. Metadata is copied byte for byte (same
-keys, value types and order; tokenizer arrays and chat template included) except
-`general.file_type`, which becomes MOSTLY_Q8_0. 2-D tensors are dequantized and
-requantized with `gguf.quants` (bit-exact with ggml's reference Q8_0); 1-D tensors (norm
-vectors) are copied unchanged. The output is deterministic: same input, same bytes.
+The benchmarks and tests compare llama.cpp and Kestrel on such files (a Q8_0 GGUF, like a
+4-bit one of the types Kestrel computes on, is used straight from its memory map). Metadata
+is copied byte for byte (same keys, value types and order; tokenizer arrays and chat
+template included) except `general.file_type`, which becomes MOSTLY_Q8_0. 2-D tensors are
+dequantized and requantized with `gguf.quants` (bit-exact with ggml's reference Q8_0); 1-D
+tensors (norm vectors) are copied unchanged. The output is deterministic: same input, same
+bytes.
 
 CLI: python -m kestreld.model.convert SRC DST
 """
@@ -100,6 +101,14 @@ def convert_to_q8_0(src_gguf: str, dst_gguf: str, keep: tuple = ()) -> None:
             raise ModelLoadError(f"{src_gguf}: tensor {tensor.name} has rows of {tensor.shape[0]} "
                                  f"values, not a multiple of the Q8_0 block (32)")
         writer.add_tensor(tensor.name, _q8_0_blocks(tensor), raw_dtype=Q8_0)
+    write_and_close(writer)
+
+
+def write_and_close(writer: gguf.GGUFWriter, tensors=()) -> None:
+    """Add each (name, float array, GGML type) of `tensors` to writer, converted to that type by
+    gguf.quants (F32 and F16 too), then write the whole file and close it."""
+    for name, arr, qtype in tensors:
+        writer.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

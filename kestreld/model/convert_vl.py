@@ -31,7 +31,7 @@ import gguf
 import numpy as np
 
 from ..errors import ModelLoadError
-from .convert import cache_stem, cached_conversion, find_cached
+from .convert import cache_stem, cached_conversion, find_cached, write_and_close
 from .gguf_file import TENSOR_NAMES as GGUF_NAMES
 from .hf_dir import HFSource
 from ..vision.mmproj import HF_PATCH_KERNEL, PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
@@ -196,16 +196,7 @@ def _vision_tensors(src: HFSource, v):
 
 
 def _write(w: gguf.GGUFWriter, tensors, qtype) -> None:
-    for name, arr in tensors:
-        t = _tensor_type(name, arr, qtype)
-        if t == QT.F32:
-            w.add_tensor(name, arr)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(arr, t), raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w, ((name, arr, _tensor_type(name, arr, qtype)) for name, arr in tensors))
 
 
 def _tensor_type(name: str, arr: np.ndarray, qtype):

@@ -1,8 +1,10 @@
-"""A GGUF file as a weight source: header checks, hyperparameters, tensors as Q8_0.
+"""A GGUF file as a weight source: header checks, hyperparameters, weight matrices.
 
-The file is memory-mapped by gguf's GGUFReader. Q8_0 tensors are used in place (uint8
-views of the map); F32/F16/BF16/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K are converted to Q8_0 once.
-Every fault becomes one ModelLoadError naming the file and what is wrong.
+The file is memory-mapped by gguf's GGUFReader. Matrices of a type the kernels compute on
+(weights.compute_types(): Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) are used in place (uint8
+views of the map); the other types quant.py reads (F32, F16, BF16, Q5_1, Q2_K, Q3_K, the IQ
+types) are converted to Q8_0 once. Every fault becomes one ModelLoadError naming the file and
+what is wrong.
 """
 from __future__ import annotations
 
@@ -232,7 +234,7 @@ class GGUFSource(GGUFFile):
         self.chat_template = self.meta("tokenizer.chat_template", None)
         self.chat_template_source = "gguf" if self.chat_template else None
         self.source_dtype = self._dominant_type()
-        self.keepalive = [self._reader]  # the memory map the Q8_0 views point into
+        self.keepalive = [self._reader]  # the memory map the in-place matrices point into
 
     # ---- metadata ---------------------------------------------------------------------
 

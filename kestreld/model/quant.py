@@ -1,4 +1,5 @@
-"""Numpy conversions to and from GGUF Q8_0, the one weight layout the kernels read.
+"""Numpy conversions to and from GGUF Q8_0, the layout a weight of a type the kernels do not
+compute on (model/weights.py: compute_types) is converted to at load.
 
     Q8_0 row of `cols` values = cols/32 blocks of 34 bytes: fp16 scale d, then 32 int8 q.
     Quantization follows llama.cpp's `quantize_row_q8_0_ref`:
