@@ -35,7 +35,8 @@ static inline void ks_q8_half_sums(const int8_t *restrict q, int64_t k, int16_t 
 
 /* x (k) -> q (k) int8, d (k/32): llama.cpp quantize_row_q8_0_ref, with a float32 scale; and
  * h (k/16) = ks_q8_half_sums of q, made here once for every product that reads the row (a
- * work item of a few rows summing the codes again would spend a good part of its time on it). */
+ * work item of a few rows summing the codes again would spend a good part of its time on it);
+ * h NULL: no sums. */
 static inline void ks_quantize_row_q8_0(const float *restrict x, int8_t *restrict q,
                                         float *restrict d, int16_t *restrict h, int k)
 {
@@ -47,7 +48,8 @@ static inline void ks_quantize_row_q8_0(const float *restrict x, int8_t *restric
             ks_v8_round_i8(ks_v8_load(xb + j) * id, q + b * KS_QK + j);
         d[b] = db;
     }
-    ks_q8_half_sums(q, k, h);
+    if (h)
+        ks_q8_half_sums(q, k, h);
 }
 
 /* The sum of the 32 codes of activation block b, from its row's half sums h */

@@ -18,10 +18,9 @@ def quantize_q8_0(const float[:, ::1] x, int8_t[:, ::1] xq, float[:, ::1] xd, in
     if xd.shape[0] != n or xd.shape[1] != k // KS_QK:
         raise ValueError(f"quantize_q8_0: xd must be ({n}, {k // KS_QK}), "
                          f"got ({xd.shape[0]}, {xd.shape[1]})")
-    # the half sums the forward pass keeps beside each row: matmul makes its own from xq
-    cdef int16_t[:, ::1] xh = np.empty((n, k // 16), np.int16)
+    # no half sums (the forward pass keeps them beside each row; matmul makes its own from xq)
     for i in prange(n, nogil=True, num_threads=nthreads, schedule="static"):
-        ks_quantize_row_q8_0(&x[i, 0], &xq[i, 0], &xd[i, 0], &xh[i, 0], <int>k)
+        ks_quantize_row_q8_0(&x[i, 0], &xq[i, 0], &xd[i, 0], NULL, <int>k)
 
 
 def compute_types():
