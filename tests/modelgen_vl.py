@@ -24,6 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 import modelgen
+from kestreld.vision.images import ImageSpec
 
 VL_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -51,16 +52,14 @@ class VisionSpec:
     hidden: int = 64
     n_heads: int = 2
     ffn: int = 128
-    patch: int = 16
-    temporal_patch: int = 2
-    merge: int = 2
     n_pos: int = 64                 # an 8 x 8 learned grid
     deepstack: tuple = (0, 1)
     seed: int = 22
+    # Qwen3-VL's patches and merge, with images kept small
+    image: ImageSpec = ImageSpec(min_pixels=32 * 32, max_pixels=256 * 256)
 
 
 VISION = VisionSpec()
-PREPROCESSOR = {"min_pixels": 32 * 32, "max_pixels": 256 * 256}
 
 
 @dataclass
@@ -73,7 +72,7 @@ class GeneratedVL:
 
 def vision_weights(v: VisionSpec, out_hidden: int) -> dict:
     rng = np.random.default_rng(v.seed)
-    H, p = v.hidden, v.patch
+    H, p = v.hidden, v.image.patch
 
     def linear(rows, cols, gain=1.0):
         return rng.normal(0.0, gain / np.sqrt(cols), (rows, cols))
@@ -87,7 +86,7 @@ def vision_weights(v: VisionSpec, out_hidden: int) -> dict:
     w = {}
     pre = "model.visual."
     w[pre + "patch_embed.proj.weight"] = rng.normal(0.0, 1.0 / np.sqrt(3 * 2 * p * p),
-                                                    (H, 3, v.temporal_patch, p, p))
+                                                    (H, 3, v.image.temporal_patch, p, p))
     w[pre + "patch_embed.proj.bias"] = bias(H)
     w[pre + "pos_embed.weight"] = 0.5 * rng.normal(0.0, 1.0, (v.n_pos, H))
     for i in range(v.depth):
@@ -100,7 +99,7 @@ def vision_weights(v: VisionSpec, out_hidden: int) -> dict:
         w[b + "mlp.linear_fc2.weight"], w[b + "mlp.linear_fc2.bias"] = linear(H, v.ffn, 0.5), bias(H)
         for n in ("norm1", "norm2"):
             w[b + n + ".weight"], w[b + n + ".bias"] = norm(H), bias(H)
-    wide = H * v.merge * v.merge
+    wide = H * v.image.merge * v.image.merge
     mergers = [("merger.", H, 1.0)] + [(f"deepstack_merger_list.{j}.", wide, 0.5)
                                        for j in range(len(v.deepstack))]
     for name, norm_n, gain in mergers:
@@ -125,7 +124,8 @@ def hf_config(token_ids: dict, tok) -> dict:
                              "mrope_section": MROPE_SECTION, "mrope_interleaved": True}),
         vision_config=dict(
             depth=v.depth, hidden_size=v.hidden, intermediate_size=v.ffn, num_heads=v.n_heads,
-            patch_size=v.patch, spatial_merge_size=v.merge, temporal_patch_size=v.temporal_patch,
+            patch_size=v.image.patch, spatial_merge_size=v.image.merge,
+            temporal_patch_size=v.image.temporal_patch,
             out_hidden_size=t.hidden, num_position_embeddings=v.n_pos,
             deepstack_visual_indexes=list(v.deepstack)),
         image_token_id=token_ids["<|image_pad|>"], video_token_id=token_ids["<|video_pad|>"],
@@ -161,15 +161,14 @@ def generate(out_dir: Path) -> GeneratedVL:
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
         "model_max_length": TEXT.max_pos, "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False, "split_special_tokens": False}, indent=2))
+    im = VISION.image
     (out_dir / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
         "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
         "rescale_factor": 1 / 255, "resample": 3,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "patch_size": VISION.patch, "temporal_patch_size": VISION.temporal_patch,
-        "merge_size": VISION.merge,
-        "size": {"shortest_edge": PREPROCESSOR["min_pixels"],
-                 "longest_edge": PREPROCESSOR["max_pixels"]}}, indent=2))
+        "image_mean": list(im.mean), "image_std": list(im.std),
+        "patch_size": im.patch, "temporal_patch_size": im.temporal_patch, "merge_size": im.merge,
+        "size": {"shortest_edge": im.min_pixels, "longest_edge": im.max_pixels}}, indent=2))
     return GeneratedVL(out_dir, cfg, weights, token_ids)
 
 
