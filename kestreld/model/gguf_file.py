@@ -342,12 +342,12 @@ class GGUFSource(GGUFFile):
         return TENSOR_NAMES[role].format(i=layer)
 
     def matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Matrix:
-        """The (rows, cols) matrix for `role` (in place when the file holds Q8_0)."""
+        """The (rows, cols) matrix for `role` (in place when the kernels compute on its type)."""
         return self.matrix_of(self.name(role, layer), (rows, cols))
 
     def experts(self, role: str, layer: int, n_expert: int, rows: int, cols: int) -> Matrix:
         """The n_expert stacked (rows, cols) expert matrices for `role` (in place, one view
-        of the memory map, when the file holds Q8_0)."""
+        of the memory map, when the kernels compute on its type)."""
         return self.matrix_of(self.name(role, layer), (n_expert, rows, cols))
 
     def float_matrix(self, role: str, layer: Optional[int], rows: int, cols: int) -> Matrix:
@@ -360,7 +360,7 @@ class GGUFSource(GGUFFile):
 
 
 def _is_router(name: str) -> bool:
-    """MoE router tensors stay float in Q8_0 files (llama.cpp's converter and quantizer
+    """MoE router tensors stay float in quantized files (llama.cpp's converter and quantizer
     keep them F32), and are read as float32."""
     return name.endswith(".ffn_gate_inp.weight")
 
