@@ -7,11 +7,12 @@ mergers: the weight x activation product of each weight type, norms, RoPE, SwiGL
 store, attention, MoE routing, and the vision encoder's LayerNorm, GELU and full attention.
 
 Every function takes C-contiguous numpy arrays (float = float32), checks their shapes and
-raises ValueError on a mismatch, then computes with the GIL released on `nthreads` OpenMP
-threads. Results do not depend on `nthreads`. The C (pyx/ks_*.h) holds the SIMD paths;
+raises ValueError on a mismatch, then computes with the GIL released on `nthreads` threads
+(OpenMP's for the per-op functions, a ks_team of its own for `Forward` and `VisionBlocks`).
+Results do not depend on `nthreads`. The C (pyx/ks_*.h) holds the SIMD paths;
 `simd_path()` says which one this build uses, and `matmul_plain` always takes the portable
-path, which the SIMD one matches bit for bit. On x86 the prefill product also has an
-AVX512-VNNI path, chosen at run time (`set_matmul_vnni`), bit-identical too.
+path, which the SIMD one matches bit for bit. On x86 the products also have AVX512-VNNI
+paths, chosen at run time (`set_matmul_vnni`), bit-identical too.
 """
 from libc.stdint cimport int8_t, int16_t, uint8_t, int32_t, int64_t
 from libc.stdlib cimport malloc, free

@@ -25,7 +25,8 @@
  *              + sc[2s+1] * (the same over values 16..31), exact in int32.
  * Every path (plain C, AVX2, AVX512-VNNI, NEON, NEON dotprod) computes exactly these float
  * operations in this order; they differ only in how the exact integer sums are formed and in
- * computing 8 or 32 (row, token) pairs at once, lane by lane. So SIMD == plain bit for bit.
+ * how many (row, token) pairs a tile computes at once, lane by lane. So SIMD == plain bit for
+ * bit.
  * (Little endian only, as GGUF files are: the scale words are read four bytes at a time.)
  */
 #ifndef KS_KQUANTS_H
@@ -200,17 +201,16 @@ static inline void ks_q8_block_sums(const int16_t *restrict xh, int nb, float *r
 
 /* A tile's rows and its tokens' activations, scales and sums (nb blocks a row); rows >= rv
  * and tokens >= tv repeat the last valid one (their lanes are computed and dropped). xs: the
- * tokens' block sums (Q4_K, Q5_K), xh: their half-block sums (Q6_K, the 8-row tiles), or NULL. */
+ * tokens' block sums (Q4_K, Q5_K), or NULL. */
 typedef struct {
     const uint8_t *w[8];
     const int8_t *x[8];
     const float *xd[8], *xs[8];
-    const int16_t *xh[8];
 } ks_kq_tile_ptrs;
 
 KS_INLINE void ks_kq_tile_ptrs_of(const int R, const int T, const uint8_t *w, int64_t w_stride,
                                   int rv, const int8_t *x, const float *xd, const float *xs,
-                                  const int16_t *xh, int tv, int nb, ks_kq_tile_ptrs *P)
+                                  int tv, int nb, ks_kq_tile_ptrs *P)
 {
     for (int i = 0; i < R; i++)
         P->w[i] = w + (int64_t)(i < rv ? i : rv - 1) * w_stride;
@@ -219,7 +219,6 @@ KS_INLINE void ks_kq_tile_ptrs_of(const int R, const int T, const uint8_t *w, in
         P->x[j] = x + jt * nb * KS_QK;
         P->xd[j] = xd + jt * nb;
         P->xs[j] = xs ? xs + jt * nb : NULL;
-        P->xh[j] = xh ? xh + jt * 2 * nb : NULL;
     }
 }
 
@@ -338,8 +337,6 @@ KS_INLINE ks_f8 ks_q6k_lane_scales(const int R, const uint8_t *const wp[8], int6
 #endif
 
 #if defined(KS_AVX2)
-/* Q6_K (the only type AVX2 takes through ks_kq_tile, for decode): lane j * R + i, the exact
- * isum of row i, token j for block s of the superblock at off (activation block b). */
 /* The 32 unsigned codes (0..63, q + 32) of activation block s of the Q6_K superblock blk
  * (16-bit shifts: no other byte's bit lands in the kept ones). */
 KS_INLINE __m256i ks_q6k_codes_avx2(const uint8_t *blk, const int s)
@@ -354,6 +351,8 @@ KS_INLINE __m256i ks_q6k_codes_avx2(const uint8_t *blk, const int s)
     return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
 }
 
+/* Q6_K (the only type AVX2 takes through ks_kq_tile, for decode): lane j * R + i, the exact
+ * isum of row i, token j for block s of the superblock at off (activation block b). */
 KS_INLINE __m256 ks_q6k_isum_avx2(const int R, const int T, const uint8_t *const wp[8],
                                   int64_t off, const int s, const int8_t *const xp[8], int b)
 {
@@ -394,7 +393,7 @@ KS_INLINE int32x4_t ks_dot16_neon(int8x16_t w, int8x16_t x)
 #endif
 }
 
-/* is[0], is[1]: lanes 0-3, 4-7 of the isums of block s (as ks_kq_isum on AVX2) */
+/* is[0], is[1]: lanes 0-3, 4-7 of the isums of block s (as ks_q6k_isum_avx2 for Q6_K on AVX2) */
 KS_INLINE void ks_kq_isum(const int kind, const int R, const int T, const uint8_t *const wp[8],
                           int64_t off, const int s, const int8_t *const xp[8], int b,
                           float32x4_t is[2])
@@ -466,7 +465,7 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
 {
     const int bytes = ks_kq_bytes(kind);
     ks_kq_tile_ptrs P;
-    ks_kq_tile_ptrs_of(R, T, w, w_stride, rv, x, xd, xs, NULL, tv, nsb * 8, &P);
+    ks_kq_tile_ptrs_of(R, T, w, w_stride, rv, x, xd, xs, tv, nsb * 8, &P);
     const uint8_t *const *wp = P.w;
     const int8_t *const *xp = P.x;
     const float *const *dp = P.xd;

@@ -1,7 +1,8 @@
 /* Kestrel kernels: Qwen3-MoE's routing (no Python here): the router of one token, the
  * grouping of a chunk's (token, slot) pairs by expert, and the weighted sum of the experts'
  * outputs. The forward pass (ks_forward.h) and the per-op entry points of the tests
- * (moe.pxi) call these same functions. */
+ * (moe.pxi) call the same selection, grouping and sum (the forward pass computes the router's
+ * dot products itself, in items of experts, before ks_moe_select). */
 #ifndef KS_MOE_H
 #define KS_MOE_H
 

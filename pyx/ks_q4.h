@@ -116,7 +116,7 @@ KS_PLAIN_MATMUL_ROWS(ks_q4_0_matmul_rows_plain, ks_q4x_step_Q4_0)
 KS_PLAIN_MATMUL_ROWS(ks_q4_1_matmul_rows_plain, ks_q4x_step_Q4_1)
 KS_PLAIN_MATMUL_ROWS(ks_q5_0_matmul_rows_plain, ks_q4x_step_Q5_0)
 
-/* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ---- */
+/* ---- the product: SIMD tiles of R rows x T tokens ------------------------------------------- */
 
 #if defined(KS_HAVE_SIMD_MATMUL)
 
@@ -309,8 +309,8 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 }
 
 #if defined(KS_AVX2)
-/* ---- prefill on x86: ks_q4_tile.h's tiles on transposed codes, 8 rows on AVX2, 16 on
- * AVX512-VNNI ------------------------------------------------------------------------------ */
+/* ---- x86: ks_q4_tile.h's tiles on transposed codes, 8 rows on AVX2 (prefill), 16 on
+ * AVX512-VNNI (prefill and decode) ----------------------------------------------------------- */
 #define KS_TW 8
 #include "ks_q4_tile.h"
 #undef KS_TW
@@ -354,7 +354,7 @@ KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_mat
 /* Same contract as the plain products (KS_PLAIN_MATMUL_ROWS). Decode (n == 1): tiles of 8 rows
  * with horizontal sums, prefetching the next tile as ks_q8.h does; prefill: ks_q4_tile.h's
  * 8-row tiles on AVX2, tiles of 4 rows x 2 tokens on NEON. AVX512-VNNI CPUs take the per-type
- * *_vnni entry points below instead (ks_weights.h's table), ks_q4_tile.h's 16-row tiles for
+ * *_vnni entry points above instead (ks_weights.h's table), ks_q4_tile.h's 16-row tiles for
  * decode too: 1.1-1.3x the 8 x 1 tile with the rows in cache, 0.96-1.13x from memory. */
 static inline __attribute__((always_inline))
 void ks_q4x_matmul_rows(const int f, KS_ROWS_PARAMS)

@@ -1,4 +1,4 @@
-/* Kestrel kernels: the x86 prefill tile of Q4_0, Q4_1 and Q5_0, one source for both tile widths
+/* Kestrel kernels: the x86 tiles of Q4_0, Q4_1 and Q5_0, one source for both tile widths
  * (no Python here). ks_q4.h includes it with KS_TW 8 (AVX2) and, where KS_HAVE_VNNI is defined,
  * KS_TW 16 (AVX512-VNNI); KS_MM, KS_TI, KS_TN and the rest are ks_q8.h's width vocabulary.
  *

@@ -9,7 +9,7 @@
  * with isum the exact int32 sum of the 32 products and one fused multiply-add per block
  * (KS_FMADD). Every path computes exactly these float operations in this order, so the SIMD
  * paths are bit-identical to the plain one; they differ only in how isum is computed and in
- * computing 8 (row, token) pairs at once, lane by lane.
+ * how many (row, token) pairs a tile computes at once, lane by lane.
  */
 #ifndef KS_Q8_H
 #define KS_Q8_H
@@ -121,7 +121,7 @@ static inline float ks_q8_block_step(const uint8_t *row, int b, const int8_t *x,
 
 KS_PLAIN_MATMUL_ROWS(ks_q8_matmul_rows_plain, ks_q8_block_step)
 
-/* ---- the product: SIMD tiles of R rows x T tokens (R * T == 8 pairs, lane = j * R + i) ---- */
+/* ---- the product: SIMD tiles of R rows x T tokens ------------------------------------------- */
 
 #if defined(KS_AVX2) || defined(KS_NEON_DOT) || defined(KS_NEON)
 #define KS_HAVE_SIMD_MATMUL 1
@@ -235,7 +235,7 @@ KS_INLINE __m256i ks_dot_chunks_t8(__m256i acc, const __m256i *u, const int8_t *
 }
 
 /* ---- the transposed tiles, written once for two widths ------------------------------------
- * The x86 prefill tiles of Q4_0's family and of the K types (ks_q4_tile.h, ks_kq_tile.h) are
+ * The x86 tiles of Q4_0's family and of the K types (ks_q4_tile.h, ks_kq_tile.h) are
  * each one source, included once per tile width KS_TW: 8 rows in 256-bit vectors (AVX2), and
  * 16 rows in 512-bit vectors where the CPU has AVX512-VNNI. In that source KS_MM(op) is
  * _mm256_op or _mm512_op, KS_TI / KS_TF the integer / float vector, KS_TN(name) the width's
@@ -522,7 +522,7 @@ static inline int ks_use_vnni(void)
     return ks_vnni_state;
 }
 
-/* Turns the VNNI prefill path off (0) or back on where the CPU has it (1); returns the state. */
+/* Turns the VNNI paths off (0) or back on where the CPU has them (1); returns the state. */
 static inline int ks_set_vnni(int on)
 {
     ks_vnni_state = -1;
@@ -685,9 +685,10 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(KS_ROWS_PARAMS)
 }
 #endif
 
-/* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: tiles
- * of 4 rows x 2 tokens, so each weight block loaded feeds 2 tokens and each activation block
- * 4 rows. */
+/* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: the
+ * transposed 8-row x 4-token tiles on AVX2, tiles of 4 rows x 2 tokens on NEON, so each weight
+ * block loaded feeds several tokens and each activation block several rows. AVX512-VNNI CPUs
+ * take ks_q8_matmul_rows_vnni instead (ks_weights.h's table). */
 static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK;
@@ -703,12 +704,6 @@ static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
         }
         return;
     }
-#if defined(KS_HAVE_VNNI)
-    if (ks_use_vnni()) {
-        ks_q8_matmul_rows_vnni(KS_ROWS_ARGS);
-        return;
-    }
-#endif
 #if defined(KS_AVX2)
     enum { R = 8, T = KS_Q8_T8_TOKENS };
     float res_t[R * T];

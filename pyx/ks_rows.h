@@ -1,5 +1,5 @@
 /* Kestrel kernels: the per-row float kernels (dot product, RMSNorm, RoPE, scaled add), shared
- * by the per-op Python entry points and the fused decode step (no Python here). */
+ * by the per-op Python entry points, the forward pass and the MoE routing (no Python here). */
 #ifndef KS_ROWS_H
 #define KS_ROWS_H
 

@@ -87,7 +87,7 @@ def matmul_plain(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
 
 
 def set_matmul_vnni(bint enabled):
-    """Lets the products take their AVX512-VNNI prefill paths and the attention its 16-float
+    """Lets the products take their AVX512-VNNI paths and the attention its 16-float
     vectors (the default where the CPU has them), or not (tests compare both with the plain
     twin and the 8-float attention). Returns True if those paths are now on."""
     return bool(ks_set_vnni(enabled))

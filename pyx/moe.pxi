@@ -1,6 +1,7 @@
 # Qwen3-MoE's routing as per-op entry points for the tests: the router (softmax + top-k),
 # grouping (token, slot) pairs by expert, and the router-weighted sum of the experts'
-# outputs. The C functions (ks_moe.h) are those the forward pass calls.
+# outputs. The C functions (ks_moe.h) are those the forward pass calls, but for the router's
+# dot products, which it computes in items of experts before ks_moe_select.
 
 
 def moe_route(const float[:, ::1] x, const float[:, ::1] router, bint norm_topk,

@@ -22,7 +22,7 @@ In a whole decode (`--decode`: SmolLM2, one thread, greedy, 68 tokens x 5, on a 
 2-core VM) a schema's grammar took 34.38 ms/token against 34.03 free (+0.35 ms, +1.0%).
 So the mask is computed in line, on the engine thread: handing it to a helper thread
 during the forward pass would save a fraction of a millisecond per token, at the price of
-a core taken from the forward pass's OpenMP team and a hand-off per token.
+a core taken from the forward pass's team of threads and a hand-off per token.
 
 `GrammarVocabulary` is built once per model (0.2-0.5 s) from Kestrel's own tokenizer: token
 id -> bytes, control tokens marked as not text, the end-of-generation ids. Thread-safety:

@@ -3,10 +3,11 @@
 The benchmarks and tests compare llama.cpp and Kestrel on such files (a Q8_0 GGUF, like a
 4-bit one of the types Kestrel computes on, is used straight from its memory map). Metadata
 is copied byte for byte (same keys, value types and order; tokenizer arrays and chat
-template included) except `general.file_type`, which becomes MOSTLY_Q8_0. 2-D tensors are
-dequantized and requantized with `gguf.quants` (bit-exact with ggml's reference Q8_0); 1-D
-tensors (norm vectors) are copied unchanged. The output is deterministic: same input, same
-bytes.
+template included) except `general.file_type`, which becomes MOSTLY_Q8_0 when no matrix is
+kept in another type. Matrices of the other types are dequantized and requantized with
+`gguf.quants` (bit-exact with ggml's reference Q8_0), those kept are copied raw, MoE routers
+are written as F32, and 1-D tensors (norm vectors) are copied unchanged. The output is
+deterministic: same input, same bytes.
 
 CLI: python -m kestreld.model.convert SRC DST
 """

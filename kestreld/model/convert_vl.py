@@ -15,8 +15,8 @@ without and once with `--mmproj` (its Qwen3VLTextModel and Qwen3VLVisionModel):
                                 images as the directory does
 
 TYPE (--outtype) is that of the weight matrices: F32, F16, BF16 or Q8_0. Vectors (norms,
-biases) stay F32; the patch kernel and the position embedding are F16 unless TYPE is F32,
-and a matrix whose rows are not whole Q8_0 blocks is F16 (as llama.cpp falls back).
+biases) and the position embedding stay F32; the patch kernel is F16 unless TYPE is F32, and
+a matrix whose rows are not whole Q8_0 blocks is F16 (as llama.cpp falls back).
 
 CLI: python -m kestreld.model.convert_vl HF_DIR OUT_DIR [--outtype f16]
 """

@@ -6,7 +6,8 @@ method, `Methods.validate` and `Methods.submit` take it from there, and the job'
 come back here to be written as one JSON response or as server-sent events.
 
 Life cycle: `start` listens before the model is loaded (`/health` answers 503 `loading`),
-`ready` once it is, `stopping` when shutdown begins (503 `shutting_down`), `close` last.
+`ready` once it is, `stop_accepting` when shutdown begins (503 `shutting_down`), `close`
+last.
 
 Security (docs/http.md): loopback addresses only unless --http-allow-remote; the Host header
 must name a loopback host (DNS rebinding) unless the request came over the Unix socket or

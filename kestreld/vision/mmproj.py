@@ -9,7 +9,7 @@ llama.cpp's tools/mtmd (clip.cpp, PROJECTOR_TYPE_QWEN3VL):
               projection_dim (= the language model's hidden), attention.head_count,
               spatial_merge_size, image_mean, image_std, is_deepstack_layers (one bool per
               block)}; optional clip.vision.image_{min,max}_pixels
-    tensors   (gguf-py's tensor_mapping names; `VISION_TENSORS` below)
+    tensors   (gguf-py's tensor_mapping names; `vision_tensors` below)
               v.patch_embd.weight, v.patch_embd.weight.1   the Conv3d's two temporal taps,
                                                            each (H, 3, p, p)
               v.blk.N.attn_qkv  q, k, v stacked as rows (3H, H), as in transformers
@@ -17,8 +17,9 @@ llama.cpp's tools/mtmd (clip.cpp, PROJECTOR_TYPE_QWEN3VL):
               v.post_ln, mm.0, mm.2   the final merger's LayerNorm, fc1, fc2
 
 `load_mmproj` turns the file into the same `VisionEncoder` a Hugging Face directory gives,
-through a getter that answers the encoder's Hugging Face names from the mmproj's tensors
-(dequantized to float32: F32, F16, BF16, Q8_0 and the other types gguf_loader reads).
+through getters that answer the encoder's Hugging Face names from the mmproj's tensors:
+vectors and the patch kernel as float32, the blocks' matrices as GGUFFile.matrix_of gives
+them (in place where the kernels compute on their type, else converted to Q8_0).
 The image token ids come from the text GGUF's vocabulary (`<|image_pad|>`, ...), since the
 mmproj holds none.
 """
@@ -85,7 +86,7 @@ def load_mmproj(path: str, text) -> VisionEncoder:
             return np.stack([f.tensor_f32(k, tap) for k in PATCH_KERNELS], axis=2)
         return f.tensor_f32(names[name], shape)
 
-    def get_q8(name: str, shape: tuple) -> Matrix:   # a Q8_0 mmproj's blocks: in place
+    def get_q8(name: str, shape: tuple) -> Matrix:   # in place where the kernels compute on it
         return f.matrix_of(names[name], shape)
 
     return VisionEncoder(c, get, get_q8)
