@@ -263,7 +263,8 @@ def bound_table(results: dict, resources: dict) -> str:
         for case, by_engine in cases.items():
             if not case.startswith("decode"):
                 continue
-            share = [100 * median(by_engine.get(e, [])) / r["bound_tps"] for e in ("kestrel", "llama.cpp")]
+            share = [100 * median(by_engine.get(e, [])) / r["bound_tps"]
+                     for e in ("kestrel", "llama.cpp")]
             rows.append(f"| {model} | {case} | {fmt(r['bandwidth'] / 1e9, 2)} "
                         f"| {fmt(r['bound_tps'])} | {fmt(share[0], 0)} | {fmt(share[1], 0)} |")
     return "\n".join(rows)

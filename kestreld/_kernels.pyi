@@ -1,7 +1,8 @@
 # Typed interface of the compiled kernels (pyx/_kernels.pyx and its .pxi files). Arrays are
 # C-contiguous numpy arrays; float means float32. Every function checks shapes (ValueError)
 # and computes with the GIL released on `nthreads` threads (OpenMP's for the per-op functions,
-# a ks_team of its own for Forward and VisionBlocks); results do not depend on nthreads. Shapes: n tokens, k columns, m weight rows, hd head_dim, kv_bs key block.
+# a ks_team of its own for Forward and VisionBlocks); results do not depend on nthreads.
+# Shapes: n tokens, k columns, m weight rows, hd head_dim, kv_bs key block.
 from typing import Optional
 
 import numpy as np

@@ -30,9 +30,11 @@ KS_TFN void KS_TN(ks_kq_block)(const int kind, const int T, const int s, int b, 
         if (s % 2 == 0)
             KS_TN(ks_load_transposed)(wp, off + (kind == KS_KQ_Q5K ? 48 : 16) + 16 * s, c);
         for (int q = 0; q < 8; q++) {
-            codes[q] = KS_MMSI(and)(s & 1 ? KS_MM(srli_epi32)(c[q], 4) : c[q], KS_MM(set1_epi8)(0x0F));
+            codes[q] = KS_MMSI(and)(s & 1 ? KS_MM(srli_epi32)(c[q], 4) : c[q],
+                                    KS_MM(set1_epi8)(0x0F));
             if (kind == KS_KQ_Q5K) {
-                const KS_TI hb = s < 4 ? KS_MM(slli_epi32)(qh[q], 4 - s) : KS_MM(srli_epi32)(qh[q], s - 4);
+                const KS_TI hb = s < 4 ? KS_MM(slli_epi32)(qh[q], 4 - s)
+                                       : KS_MM(srli_epi32)(qh[q], s - 4);
                 codes[q] = KS_MMSI(or)(codes[q], KS_MMSI(and)(hb, KS_MM(set1_epi8)(0x10)));
             }
         }
@@ -81,9 +83,9 @@ KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int T, const uint8_t *w, int
         KS_TN(ks_kq_scales)(kind, wp, off, ds, dm, sc6);
         if (kind == KS_KQ_Q5K)
             KS_TN(ks_load_transposed)(wp, off + 16, qh);
-/* an eighth of the superblock's slice per block: spread requests */
+/* an eighth of the superblock's slice per block: spread requests (into L2 for 16 rows) */
 #define KS_KQ_PREFETCH(s) if (pf) ks_prefetch_rows(pf + sb * pf_step + (s) * (pf_step / 8), \
-                                                   pf_step / 8, KS_TW == 16 || ks_kq_prefetch_l2(kind))
+                                    pf_step / 8, KS_TW == 16 || ks_kq_prefetch_l2(kind))
         /* Q6_K's blocks fully unrolled (its code building has constants for each); the others
          * by pairs (the two nibbles of one code byte), the pairs unrolled KS_T*_KQ_PAIRS
          * times: on 16 rows a loop of pairs fits the decoded-instruction cache and is faster

@@ -532,7 +532,8 @@ KS_INLINE void ks_kq_scales_t8(const int kind, const uint8_t *const wp[8], int64
 }
 
 /* Q6_K: each row's 32 codes of block s, transposed */
-KS_INLINE void ks_q6k_codes_t8(const uint8_t *const wp[8], int64_t off, const int s, __m256i codes[8])
+KS_INLINE void ks_q6k_codes_t8(const uint8_t *const wp[8], int64_t off, const int s,
+                               __m256i codes[8])
 {
     __m256i r[8];
     for (int i = 0; i < 8; i++)
@@ -563,7 +564,8 @@ KS_INLINE __m256i ks_q6k_isum_t8(const __m256i codes[8], const int8_t *xb, const
     const __m256i dot = ks_dot_chunks_scaled_avx2(
         ks_dot_chunks_scaled_avx2(_mm256_setzero_si256(), codes, xb, 0, 4, 2, sc[0]),
         codes, xb, 4, 8, 2, sc[1]);
-    return _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(sc[2], _mm256_set1_epi32(hh)), 5));
+    return _mm256_sub_epi32(
+        dot, _mm256_slli_epi32(_mm256_madd_epi16(sc[2], _mm256_set1_epi32(hh)), 5));
 }
 
 #define KS_TW 8
@@ -598,7 +600,8 @@ KS_VNNI_FN void ks_kq_scales_t16(const int kind, const uint8_t *const wp[16], in
 }
 
 /* ks_q6k_codes_t8 on 16 rows (rows i and 8 + i in the halves of one vector) */
-KS_VNNI_FN void ks_q6k_codes_t16(const uint8_t *const wp[16], int64_t off, const int s, __m512i codes[8])
+KS_VNNI_FN void ks_q6k_codes_t16(const uint8_t *const wp[16], int64_t off, const int s,
+                                 __m512i codes[8])
 {
     __m512i r[8];
     for (int i = 0; i < 8; i++)

@@ -186,7 +186,8 @@ KS_INLINE __m256i ks_q5_bits_t8(__m256i qh, const int s)
 /* The 16 bytes at p[i + 4l] + off in 128-bit lane l (l < 2) */
 KS_INLINE __m256i ks_load_lanes128_t8(const uint8_t *const p[8], int64_t off, int i)
 {
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p[i] + off))),
+    const __m128i lo = _mm_loadu_si128((const __m128i *)(p[i] + off));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo),
                                    _mm_loadu_si128((const __m128i *)(p[i + 4] + off)), 1);
 }
 

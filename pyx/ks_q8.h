@@ -542,7 +542,7 @@ static inline int ks_set_vnni(int on)
 
 /* As KS_T8_TOKEN_TILES: a wide tile while a whole one is left, then narrow ones, T a constant
  * in each call, so that each width gets its own specialized loops. */
-#define KS_T16_TOKEN_TILES(TILE)                                                            \
+#define KS_T16_TOKEN_TILES(TILE)                                                                \
     for (int t = tb; t < te;) {                                                                 \
         const int T = te - t >= KS_VNNI_TOKENS_WIDE ? KS_VNNI_TOKENS_WIDE : KS_VNNI_TOKENS;     \
         const int tv = te - t < T ? te - t : T;                                                 \

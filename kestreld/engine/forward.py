@@ -1,9 +1,9 @@
 """The forward pass of the model over the KV cache: one C call per chunk of tokens.
 
 `Forward` holds the compiled pass (kestreld._kernels.Forward, pyx/ks_forward.h: every layer,
-dense or MoE, in one pass of its ks_team threads), the RoPE tables and the logits buffer. Each call runs
-n >= 1 tokens at KV rows cache_len .., writes their KV there and appends their keys to the
-KV cache: decode is a call with one token, prefill a call per chunk. What stays in Python is
+dense or MoE, in one pass of its ks_team threads), the RoPE tables and the logits buffer.
+Each call runs n >= 1 tokens at KV rows cache_len .., writes their KV there and appends their
+keys to the KV cache: decode is a call with one token, prefill a call per chunk. What stays in Python is
 only what a chunk needs beyond its ids: its RoPE rows (Qwen3-VL: from M-RoPE positions) and
 its visual tokens' embeddings and DeepStack features.
 """

@@ -13,8 +13,8 @@ tokens (n_tok = gh*gw/merge^2), as the processor does. Then, for prompt token t:
                      tokens, whose keys come from a hash of the image's pixels, so a
                      different image never matches and the same image always does
 
-`MRopeTables.tables` turns positions into the rope kernel's cos/sin tables (interleaved sections:
-frequency j follows h if j % 3 == 1 and j < 3*section[1], w if j % 3 == 2 and
+`MRopeTables.tables` turns positions into the rope kernel's cos/sin tables (interleaved
+sections: frequency j follows h if j % 3 == 1 and j < 3*section[1], w if j % 3 == 2 and
 j < 3*section[2], else t).
 """
 from __future__ import annotations
