@@ -86,8 +86,9 @@ KS_TFN void KS_TN(ks_q4x_tile)(const int f, const int T, const uint8_t *w, int64
 }
 
 /* The product (the contract of the plain twin): decode in KS_TW x 1 tiles, prefetching the
- * next; prefill in tiles of KS_TW rows x up to KS_TTOKENS tokens over blocks of
- * KS_PREFILL_TOKEN_BLOCK tokens. */
+ * next (taken at 16 rows; AVX2's decode goes to ks_q4.h's 8 x 1 tile with horizontal sums
+ * before it gets here); prefill in tiles of KS_TW rows x up to KS_TTOKENS tokens over blocks
+ * of KS_PREFILL_TOKEN_BLOCK tokens. */
 KS_TFN void KS_TN(ks_q4x_matmul_rows)(const int f, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
