@@ -83,9 +83,9 @@ KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int T, const uint8_t *w, int
         KS_TN(ks_kq_scales)(kind, wp, off, ds, dm, sc6);
         if (kind == KS_KQ_Q5K)
             KS_TN(ks_load_transposed)(wp, off + 16, qh);
-/* an eighth of the superblock's slice per block: spread requests (into L2 for 16 rows) */
+/* an eighth of the superblock's slice per block: spread requests */
 #define KS_KQ_PREFETCH(s) if (pf) ks_prefetch_rows(pf + sb * pf_step + (s) * (pf_step / 8), \
-                                    pf_step / 8, KS_TW == 16 || ks_kq_prefetch_l2(kind))
+                                    pf_step / 8, ks_kq_prefetch_l2(kind, KS_TW))
         /* Q6_K's blocks fully unrolled (its code building has constants for each); the others
          * by pairs (the two nibbles of one code byte), the pairs unrolled KS_T*_KQ_PAIRS
          * times: on 16 rows a loop of pairs fits the decoded-instruction cache and is faster

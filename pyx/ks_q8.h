@@ -465,14 +465,10 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
         acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m256i c[8], a[8];
-        uint16_t h[8];
-        for (int i = 0; i < 8; i++)
-            h[i] = ks_load_u16le(wp[i] + b * KS_QBLOCK);
         ks_load_transposed_t8(wp, b * KS_QBLOCK + 2, c);
         for (int q = 0; q < 8; q++)
             a[q] = _mm256_abs_epi8(c[q]);
-        const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
-            h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+        const __m256 dw = ks_fp16_lanes_t8(wp, b * KS_QBLOCK);
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
             __m256i s = _mm256_setzero_si256();
