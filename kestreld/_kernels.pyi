@@ -38,11 +38,15 @@ def compute_types() -> tuple:
 def quantize_q8_0(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, nthreads: int) -> None:
     """x (n, k) -> xq int8 (n, k), xd (n, k/32)."""
 def matmul(w: np.ndarray, qtype: int, xq: np.ndarray, xd: np.ndarray, out: np.ndarray,
-           nthreads: int) -> None:
-    """out (n, m) = w (uint8 rows of GGML type qtype) . (xq, xd)^T."""
+           nthreads: int, interleaved: bool = False) -> None:
+    """out (n, m) = w (uint8 rows of GGML type qtype, or their interleave_rows copy) . (xq, xd)^T."""
 def matmul_plain(w: np.ndarray, qtype: int, xq: np.ndarray, xd: np.ndarray, out: np.ndarray,
-                 nthreads: int) -> None: ...
+                 nthreads: int, interleaved: bool = False) -> None: ...
 def set_matmul_vnni(enabled: bool) -> bool: ...
+def interleaves(qtype: int) -> bool:
+    """Whether matrices of the type are interleaved on this CPU (16-row groups)."""
+def interleave_rows(w: np.ndarray, qtype: int, cols: int) -> np.ndarray:
+    """w's rows in interleaved groups of 16 (a new 64-byte-aligned array)."""
 def dequantize_rows(w: np.ndarray, qtype: int, ids: np.ndarray, out: np.ndarray) -> None:
     """out (n, k) = rows ids (int32 (n,)) of w as float."""
 

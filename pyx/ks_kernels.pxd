@@ -62,7 +62,9 @@ cdef extern from "ks_weights.h" nogil:
         int32_t type
         int32_t rows, cols
         int32_t n_mat
+        int32_t interleave
     int KS_N_TYPES
+    int KS_IL_ROWS
     ctypedef struct ks_type_ops:
         int type
     const ks_type_ops *ks_types
@@ -72,8 +74,10 @@ cdef extern from "ks_weights.h" nogil:
     void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float *out)
     void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
                         const int16_t *xh, int n, float *out, int r0, int r1)
-    void ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
-                              const int16_t *xh, int n, float *out, int r0, int r1)
+    int ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
+                             const int16_t *xh, int n, float *out, int r0, int r1)
+    int ks_interleaves(int type)
+    void ks_interleave_rows(int type, const uint8_t *src, int rows, int cols, uint8_t *dst)
 
 
 cdef extern from "ks_forward.h" nogil:

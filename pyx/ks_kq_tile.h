@@ -9,26 +9,89 @@
  * that a token's broadcast 4-byte chunk times them adds row i's chunk product into lane i: no
  * horizontal adds, and the codes are unsigned, as maddubs and vpdpbusd want them (Q6_K's -32
  * comes in through x's half-block sums). The unpacking, the scales and the float epilogue are
- * spent once per KS_TW rows. The float side is ks_kquants.h's contract per block, in order:
- * bit-identical to the plain twin at both widths. */
+ * spent once per KS_TW rows. On an interleaved group (il, ks_weights.h) every one of those
+ * transposed dword vectors is a field of the group's block, loaded as it lies. The float side
+ * is ks_kquants.h's contract per block, in order: bit-identical to the plain twin at both
+ * widths and on both layouts. */
 
-/* Block s (activation block b) of the superblock at off of a tile: its rows' codes, then every
- * token's products and epilogue into acc. ds, dm, sc6, qh: the superblock's lane scales and
- * fifth bits; c: Q4_K / Q5_K's transposed code bytes of the block pair, loaded at its even
- * block. */
-KS_TFN void KS_TN(ks_kq_block)(const int kind, const int T, const int s, int b, int64_t off,
-                               const uint8_t *const wp[KS_TW], const int8_t *const xp[],
+/* An interleaved group's n consecutive dword fields from the one at p: the same vectors as
+ * ks_load_transposed gives from the rows (lane i = row i's dword). */
+KS_TFN void KS_TN(ks_dwords_il)(const uint8_t *p, const int n, KS_TI c[])
+{
+    for (int q = 0; q < n; q++)
+        c[q] = KS_MMSI(loadu)((const KS_TI *)(p + KS_TW * 4 * q));
+}
+
+/* ks_kq_scales (ks_kquants.h) on an interleaved group's superblock at g (its d, dmin and
+ * scale dwords side by side): the same lane scales, the same float operations. */
+KS_TFN void KS_TN(ks_kq_scales_il)(const int kind, const uint8_t *g, KS_TF ds[8], KS_TF dm[8],
+                                   KS_TI sc6[4])
+{
+    if (kind == KS_KQ_Q6K) {
+        ds[0] = KS_TN(ks_fp16_vec)(g + KS_TW * 208);
+        KS_TN(ks_dwords_il)(g + KS_TW * 192, 4, sc6);
+        return;
+    }
+    KS_TI r[3];
+    KS_TN(ks_dwords_il)(g + KS_TW * 4, 3, r);
+    const KS_TI m6 = KS_MM(set1_epi8)(0x3f), m4 = KS_MM(set1_epi8)(0x0f);
+    const KS_TI m30 = KS_MM(set1_epi8)(0x30), byte = KS_MM(set1_epi32)(0xff);
+    const KS_TI sc[2] = {KS_MMSI(and)(r[0], m6), KS_MMSI(or)(KS_MMSI(and)(r[2], m4),
+                         KS_MMSI(and)(KS_MM(srli_epi32)(r[0], 2), m30))};
+    const KS_TI mn[2] = {KS_MMSI(and)(r[1], m6), KS_MMSI(or)(
+                         KS_MMSI(and)(KS_MM(srli_epi32)(r[2], 4), m4),
+                         KS_MMSI(and)(KS_MM(srli_epi32)(r[1], 2), m30))};
+    const KS_TF d = KS_TN(ks_fp16_vec)(g);
+    const KS_TF ndmin = KS_TN(ks_negate)(KS_TN(ks_fp16_vec)(g + KS_TW * 2));
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {   /* byte s % 4 of every lane's dword */
+        const int sh = 8 * (s % 4);
+        ds[s] = KS_MM(mul_ps)(KS_MM(cvtepi32_ps)(KS_MMSI(and)(KS_MM(srli_epi32)(sc[s / 4], sh), byte)), d);
+        dm[s] = KS_MM(mul_ps)(KS_MM(cvtepi32_ps)(KS_MMSI(and)(KS_MM(srli_epi32)(mn[s / 4], sh), byte)), ndmin);
+    }
+}
+
+/* ks_q6k_codes (ks_kquants.h) on an interleaved group's superblock at g: block s's codes from
+ * its ql and qh dwords, which need no transpose. */
+KS_TFN void KS_TN(ks_q6k_codes_il)(const uint8_t *g, const int s, KS_TI codes[8])
+{
+    const int hf = s / 4, q4 = s % 4;
+    KS_TI ql[8], qh[8];
+    KS_TN(ks_dwords_il)(g + KS_TW * (64 * hf + 32 * (q4 & 1)), 8, ql);
+    KS_TN(ks_dwords_il)(g + KS_TW * (128 + 32 * hf), 8, qh);
+    const KS_TI m4 = KS_MM(set1_epi8)(0x0F), m30 = KS_MM(set1_epi8)(0x30);
+    for (int q = 0; q < 8; q++) {
+        const KS_TI lo = KS_MMSI(and)(q4 < 2 ? ql[q] : KS_MM(srli_epi32)(ql[q], 4), m4);
+        const KS_TI hi = q4 == 0 ? KS_MM(slli_epi32)(qh[q], 4) : q4 == 1 ? KS_MM(slli_epi32)(qh[q], 2)
+                       : q4 == 2 ? qh[q] : KS_MM(srli_epi32)(qh[q], 2);
+        codes[q] = KS_MMSI(or)(lo, KS_MMSI(and)(hi, m30));
+    }
+}
+
+/* Block s (activation block b) of the superblock at off of a tile (of rows wp, or of the
+ * interleaved group at w when il): its rows' codes, then every token's products and epilogue
+ * into acc. ds, dm, sc6, qh: the superblock's lane scales and fifth bits; c: Q4_K / Q5_K's
+ * transposed code bytes of the block pair, loaded at its even block. */
+KS_TFN void KS_TN(ks_kq_block)(const int kind, const int il, const int T, const int s, int b,
+                               int64_t off, const uint8_t *w, const uint8_t *const wp[KS_TW],
+                               const int8_t *const xp[],
                                const float *const dp[], const float *const sp[],
                                const int16_t *const hp[], const KS_TF ds[8], const KS_TF dm[8],
                                const KS_TI sc6[4], const KS_TI qh[8], KS_TI c[8], KS_TF acc[])
 {
     KS_TI codes[8], sc[3];
     if (kind == KS_KQ_Q6K) {
-        KS_TN(ks_q6k_codes)(wp, off, s, codes);
+        if (il)
+            KS_TN(ks_q6k_codes_il)(w + KS_TW * off, s, codes);
+        else
+            KS_TN(ks_q6k_codes)(wp, off, s, codes);
         KS_TN(ks_q6k_block_scales)(sc6, s, sc);
     } else {
-        if (s % 2 == 0)
-            KS_TN(ks_load_transposed)(wp, off + (kind == KS_KQ_Q5K ? 48 : 16) + 16 * s, c);
+        const int64_t at = off + (kind == KS_KQ_Q5K ? 48 : 16) + 16 * s;
+        if (s % 2 == 0 && il)
+            KS_TN(ks_dwords_il)(w + KS_TW * at, 8, c);
+        else if (s % 2 == 0)
+            KS_TN(ks_load_transposed)(wp, at, c);
         for (int q = 0; q < 8; q++) {
             codes[q] = KS_MMSI(and)(s & 1 ? KS_MM(srli_epi32)(c[q], 4) : c[q],
                                     KS_MM(set1_epi8)(0x0F));
@@ -54,10 +117,12 @@ KS_TFN void KS_TN(ks_kq_block)(const int kind, const int T, const int s, int b, 
 }
 
 /* res[j * KS_TW + i] = out value for row i, token j < T (T <= KS_TTOKENS); rows >= rv / tokens
- * >= tv repeat the last valid one. xs: the tokens' block sums (Q4_K, Q5_K); xh[t * 2nb + 2b + h]:
- * the sum of half h of block b (Q6_K). pf (or NULL): superblock sb prefetches the pf_step bytes
- * at pf + sb * pf_step. */
-KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int T, const uint8_t *w, int64_t w_stride,
+ * >= tv repeat the last valid one. il: w is an interleaved group of KS_TW rows (rows >= rv are
+ * its padding), not rows w_stride apart. xs: the tokens' block sums (Q4_K, Q5_K);
+ * xh[t * 2nb + 2b + h]: the sum of half h of block b (Q6_K). pf (or NULL): superblock sb
+ * prefetches the pf_step bytes at pf + sb * pf_step. */
+KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int il, const int T, const uint8_t *w,
+                              int64_t w_stride,
                               int rv, const int8_t *x, const float *xd, const float *xs,
                               const int16_t *xh, int tv, int nsb, float *res, const uint8_t *pf,
                               int64_t pf_step)
@@ -80,8 +145,13 @@ KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int T, const uint8_t *w, int
         const int64_t off = (int64_t)sb * bytes;
         KS_TF ds[8], dm[8];
         KS_TI sc6[4], qh[8], c[8];
-        KS_TN(ks_kq_scales)(kind, wp, off, ds, dm, sc6);
-        if (kind == KS_KQ_Q5K)
+        if (il)
+            KS_TN(ks_kq_scales_il)(kind, w + KS_TW * off, ds, dm, sc6);
+        else
+            KS_TN(ks_kq_scales)(kind, wp, off, ds, dm, sc6);
+        if (kind == KS_KQ_Q5K && il)
+            KS_TN(ks_dwords_il)(w + KS_TW * (off + 16), 8, qh);
+        else if (kind == KS_KQ_Q5K)
             KS_TN(ks_load_transposed)(wp, off + 16, qh);
 /* an eighth of the superblock's slice per block: spread requests */
 #define KS_KQ_PREFETCH(s) if (pf) ks_prefetch_rows(pf + sb * pf_step + (s) * (pf_step / 8), \
@@ -94,8 +164,8 @@ KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int T, const uint8_t *w, int
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {
                 KS_KQ_PREFETCH(s);
-                KS_TN(ks_kq_block)(kind, T, s, sb * 8 + s, off, wp, xp, dp, sp, hp, ds, dm, sc6,
-                                   qh, c, acc);
+                KS_TN(ks_kq_block)(kind, il, T, s, sb * 8 + s, off, w, wp, xp, dp, sp, hp, ds,
+                                   dm, sc6, qh, c, acc);
             }
         } else {
             KS_PRAGMA(GCC unroll KS_TCAT(KS_T, KS_TW, _KQ_PAIRS))
@@ -103,8 +173,8 @@ KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int T, const uint8_t *w, int
 #pragma GCC unroll 2
                 for (int hh = 0; hh < 2; hh++) {
                     KS_KQ_PREFETCH(2 * pr + hh);
-                    KS_TN(ks_kq_block)(kind, T, 2 * pr + hh, sb * 8 + 2 * pr + hh, off, wp, xp,
-                                       dp, sp, hp, ds, dm, sc6, qh, c, acc);
+                    KS_TN(ks_kq_block)(kind, il, T, 2 * pr + hh, sb * 8 + 2 * pr + hh, off, w,
+                                       wp, xp, dp, sp, hp, ds, dm, sc6, qh, c, acc);
                 }
         }
     }
@@ -113,10 +183,11 @@ KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int T, const uint8_t *w, int
         KS_MM(storeu_ps)(res + KS_TW * j, acc[j]);
 }
 
-/* The product (the contract of the plain twin): decode in KS_TW x 1 tiles, prefetching the
- * next; prefill in tiles of KS_TW rows x up to KS_TTOKENS tokens over blocks of
- * KS_PREFILL_TOKEN_BLOCK tokens. */
-KS_TFN void KS_TN(ks_kq_matmul_rows)(const int kind, KS_ROWS_PARAMS)
+/* The product (the contract of the plain twin), on rows as the file lays them out (il 0) or
+ * on groups of KS_TW interleaved rows (il 1: r0 a multiple of KS_TW, row r's group at
+ * w + r * w_stride): decode in KS_TW x 1 tiles, prefetching the next; prefill in tiles of
+ * KS_TW rows x up to KS_TTOKENS tokens over blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
+KS_TFN void KS_TN(ks_kq_matmul_rows)(const int kind, const int il, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, nsb = k / KS_QK_K, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
     const int q6 = kind == KS_KQ_Q6K;
@@ -131,13 +202,13 @@ KS_TFN void KS_TN(ks_kq_matmul_rows)(const int kind, KS_ROWS_PARAMS)
             const int rv = r1 - r < KS_TW ? r1 - r : KS_TW;
             if (n == 1) {
                 const uint8_t *next = r + KS_TW < m ? w + (int64_t)(r + KS_TW) * w_stride : NULL;
-                KS_TN(ks_kq_tile)(kind, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
+                KS_TN(ks_kq_tile)(kind, il, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
                                   q6 ? NULL : xs, q6 ? xh : NULL, 1, nsb, res, next,
                                   KS_TW * w_stride / nsb);
                 ks_q8_store_tile(KS_TW, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
-#define KS_KQ_TILE(TT, t, tv) KS_TN(ks_kq_tile)(kind, TT, w + (int64_t)r * w_stride, w_stride, \
+#define KS_KQ_TILE(TT, t, tv) KS_TN(ks_kq_tile)(kind, il, TT, w + (int64_t)r * w_stride, w_stride, \
     rv, xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, q6 ? NULL : xs + ((t) - tb) * nb,      \
     q6 ? xh + (int64_t)(t) * 2 * nb : NULL, tv, nsb, res, NULL, 0)
             KS_T_TOKEN_TILES(KS_KQ_TILE)

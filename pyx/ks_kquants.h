@@ -632,11 +632,18 @@ KS_VNNI_FN __m512i ks_q6k_isum_t16(const __m512i codes[8], const int8_t *xb, con
 
 /* one VNNI function per type (an always-inline body is specialized only where it is inlined) */
 KS_VNNI_TARGET static void ks_q4k_matmul_rows_vnni(KS_ROWS_PARAMS)
-{ ks_kq_matmul_rows_t16(KS_KQ_Q4K, KS_ROWS_ARGS); }
+{ ks_kq_matmul_rows_t16(KS_KQ_Q4K, 0, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q5k_matmul_rows_vnni(KS_ROWS_PARAMS)
-{ ks_kq_matmul_rows_t16(KS_KQ_Q5K, KS_ROWS_ARGS); }
+{ ks_kq_matmul_rows_t16(KS_KQ_Q5K, 0, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_ROWS_PARAMS)
-{ ks_kq_matmul_rows_t16(KS_KQ_Q6K, KS_ROWS_ARGS); }
+{ ks_kq_matmul_rows_t16(KS_KQ_Q6K, 0, KS_ROWS_ARGS); }
+/* the same on 16-row interleaved groups (ks_weights.h) */
+KS_VNNI_TARGET static void ks_q4k_matmul_rows_x16(KS_ROWS_PARAMS)
+{ ks_kq_matmul_rows_t16(KS_KQ_Q4K, 1, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q5k_matmul_rows_x16(KS_ROWS_PARAMS)
+{ ks_kq_matmul_rows_t16(KS_KQ_Q5K, 1, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q6k_matmul_rows_x16(KS_ROWS_PARAMS)
+{ ks_kq_matmul_rows_t16(KS_KQ_Q6K, 1, KS_ROWS_ARGS); }
 #endif
 #endif /* KS_AVX2 */
 
@@ -652,7 +659,7 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
     float res[8];
 #if defined(KS_AVX2)
     if (n > 1 || kind != KS_KQ_Q6K) {
-        ks_kq_matmul_rows_t8(kind, KS_ROWS_ARGS);
+        ks_kq_matmul_rows_t8(kind, 0, KS_ROWS_ARGS);
         return;
     }
 #endif

@@ -347,9 +347,13 @@ KS_VNNI_FN __m512i ks_load_lanes128_t16(const uint8_t *const p[16], int64_t off,
 /* ---- the per-type entry points (the signature and meaning of ks_q8_matmul_rows) ----------- */
 
 #if defined(KS_HAVE_VNNI)
-KS_VNNI_TARGET static void ks_q4_0_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_0, KS_ROWS_ARGS); }
-KS_VNNI_TARGET static void ks_q4_1_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_1, KS_ROWS_ARGS); }
-KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q5_0, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q4_0_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_0, 0, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q4_1_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_1, 0, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q5_0, 0, KS_ROWS_ARGS); }
+/* the same on 16-row interleaved groups (ks_weights.h) */
+KS_VNNI_TARGET static void ks_q4_0_matmul_rows_x16(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_0, 1, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q4_1_matmul_rows_x16(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_1, 1, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q5_0_matmul_rows_x16(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q5_0, 1, KS_ROWS_ARGS); }
 #endif
 
 /* Same contract as the plain products (KS_PLAIN_MATMUL_ROWS). Decode (n == 1): tiles of 8 rows
@@ -378,7 +382,7 @@ void ks_q4x_matmul_rows(const int f, KS_ROWS_PARAMS)
         return;
     }
 #if defined(KS_AVX2)
-    ks_q4x_matmul_rows_t8(f, KS_ROWS_ARGS);
+    ks_q4x_matmul_rows_t8(f, 0, KS_ROWS_ARGS);
 #else
     int32_t xs[KS_PREFILL_TOKEN_BLOCK * nb];
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {

@@ -11,13 +11,29 @@
  * at -8 or -16 times xsum (the code offset), so they are isum. The float side is the per-block
  * fma of ks_q4.h's contract, in order: bit-identical to the plain twin at both widths. */
 
-/* The unsigned codes of one block of KS_TW rows (blk[i], packed bytes at blk[i] + Q): c[q] lane i
- * = row i's values 4q..4q+3 (the low nibbles c[0..3], the high ones c[4..7]). Rows i + 4l share
- * a vector, one per 128-bit lane l, so a 4 x 4 dword transpose in each lane does all rows. */
+/* The unsigned codes c of a block of KS_TW rows from its packed bytes as dwords (d[q] lane i =
+ * row i's packed bytes 4q..4q+3) and, Q5_0, its rows' high bits (qh lane i = row i's qh): c[q]
+ * lane i = row i's values 4q..4q+3 (the low nibbles c[0..3], the high ones c[4..7]). */
+KS_TFN void KS_TN(ks_q4x_split)(const int f, const KS_TI d[4], const KS_TI qh, KS_TI c[8])
+{
+    const KS_TI low = KS_MM(set1_epi8)(15);
+    for (int q = 0; q < 4; q++) {
+        c[q] = KS_MMSI(and)(d[q], low);
+        c[q + 4] = KS_MMSI(and)(KS_MM(srli_epi16)(d[q], 4), low);
+    }
+    if (f == KS_Q4X_Q5_0)
+        for (int q = 0; q < 4; q++) {
+            c[q] = KS_MMSI(or)(c[q], KS_TN(ks_q5_bits)(qh, 4 * q));
+            c[q + 4] = KS_MMSI(or)(c[q + 4], KS_TN(ks_q5_bits)(qh, 16 + 4 * q));
+        }
+}
+
+/* The codes of one block of KS_TW rows as the file lays them out (blk[i], packed bytes at
+ * blk[i] + Q). Rows i + 4l share a vector, one per 128-bit lane l, so a 4 x 4 dword transpose
+ * in each lane gives ks_q4x_split's dwords for all rows. */
 KS_TFN void KS_TN(ks_q4x_codes)(const int f, const uint8_t *const blk[KS_TW], const int Q,
                                 KS_TI c[8])
 {
-    const KS_TI low = KS_MM(set1_epi8)(15);
     KS_TI r[4], t[4];
     for (int i = 0; i < 4; i++)
         r[i] = KS_TN(ks_load_lanes128)(blk, Q, i);
@@ -27,26 +43,35 @@ KS_TFN void KS_TN(ks_q4x_codes)(const int f, const uint8_t *const blk[KS_TW], co
     t[3] = KS_MM(unpackhi_epi32)(r[2], r[3]);
     const KS_TI d[4] = {KS_MM(unpacklo_epi64)(t[0], t[2]), KS_MM(unpackhi_epi64)(t[0], t[2]),
                         KS_MM(unpacklo_epi64)(t[1], t[3]), KS_MM(unpackhi_epi64)(t[1], t[3])};
-    for (int q = 0; q < 4; q++) {
-        c[q] = KS_MMSI(and)(d[q], low);
-        c[q + 4] = KS_MMSI(and)(KS_MM(srli_epi16)(d[q], 4), low);
-    }
+    KS_TI qh = KS_MMSI(setzero)();
     if (f == KS_Q4X_Q5_0) {
         int32_t h[KS_TW];
         for (int i = 0; i < KS_TW; i++)
             h[i] = (int32_t)ks_load_u32le(blk[i] + 2);
-        const KS_TI qh = KS_MMSI(loadu)((const KS_TI *)h);
-        for (int q = 0; q < 4; q++) {
-            c[q] = KS_MMSI(or)(c[q], KS_TN(ks_q5_bits)(qh, 4 * q));
-            c[q + 4] = KS_MMSI(or)(c[q + 4], KS_TN(ks_q5_bits)(qh, 16 + 4 * q));
-        }
+        qh = KS_MMSI(loadu)((const KS_TI *)h);
     }
+    KS_TN(ks_q4x_split)(f, d, qh, c);
+}
+
+/* The codes of one block of an interleaved group of KS_TW rows (ks_weights.h: each field of
+ * the rows' blocks side by side, at KS_TW times its offset in one row's block), whose dwords
+ * are ks_q4x_split's as they lie. */
+KS_TFN void KS_TN(ks_q4x_codes_il)(const int f, const uint8_t *blk, const int Q, KS_TI c[8])
+{
+    KS_TI d[4];
+    for (int q = 0; q < 4; q++)
+        d[q] = KS_MMSI(loadu)((const KS_TI *)(blk + KS_TW * (Q + 4 * q)));
+    const KS_TI qh = f == KS_Q4X_Q5_0 ? KS_MMSI(loadu)((const KS_TI *)(blk + KS_TW * 2))
+                                      : KS_MMSI(setzero)();
+    KS_TN(ks_q4x_split)(f, d, qh, c);
 }
 
 /* res[j * KS_TW + i] = out value of row i, token j < T (T <= KS_TTOKENS); rows >= rv / tokens
- * >= tv repeat the last valid one. xs: the tile's first token's block sums, nb per token. pf
- * (or NULL): block b prefetches the pf_step bytes at pf + b * pf_step. */
-KS_TFN void KS_TN(ks_q4x_tile)(const int f, const int T, const uint8_t *w, int64_t w_stride,
+ * >= tv repeat the last valid one. il: w is an interleaved group of KS_TW rows (rows >= rv are
+ * its padding), not rows w_stride apart. xs: the tile's first token's block sums, nb per
+ * token. pf (or NULL): block b prefetches the pf_step bytes at pf + b * pf_step. */
+KS_TFN void KS_TN(ks_q4x_tile)(const int f, const int il, const int T, const uint8_t *w,
+                               int64_t w_stride,
                                int rv, const int8_t *x, const float *xd, const int32_t *xs,
                                int tv, int nb, float *res, const uint8_t *pf, int64_t pf_step)
 {
@@ -60,15 +85,25 @@ KS_TFN void KS_TN(ks_q4x_tile)(const int f, const int T, const uint8_t *w, int64
     for (int j = 0; j < T; j++)
         acc[j] = KS_MM(setzero_ps)();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk[KS_TW];
         KS_TI c[8];
+        KS_TF dw, dm = KS_MM(setzero_ps)();
         if (pf)
             ks_prefetch_rows(pf + b * pf_step, pf_step, KS_PREFETCH_L2);
-        for (int i = 0; i < KS_TW; i++)
-            blk[i] = wp[i] + (int64_t)b * B;
-        KS_TN(ks_q4x_codes)(f, blk, Q, c);
-        const KS_TF dw = KS_TN(ks_fp16_lanes)(blk, 0);
-        const KS_TF dm = f == KS_Q4X_Q4_1 ? KS_TN(ks_fp16_lanes)(blk, 2) : KS_MM(setzero_ps)();
+        if (il) {
+            const uint8_t *blk = w + (int64_t)b * KS_TW * B;
+            KS_TN(ks_q4x_codes_il)(f, blk, Q, c);
+            dw = KS_TN(ks_fp16_vec)(blk);
+            if (f == KS_Q4X_Q4_1)
+                dm = KS_TN(ks_fp16_vec)(blk + KS_TW * 2);
+        } else {
+            const uint8_t *blk[KS_TW];
+            for (int i = 0; i < KS_TW; i++)
+                blk[i] = wp[i] + (int64_t)b * B;
+            KS_TN(ks_q4x_codes)(f, blk, Q, c);
+            dw = KS_TN(ks_fp16_lanes)(blk, 0);
+            if (f == KS_Q4X_Q4_1)
+                dm = KS_TN(ks_fp16_lanes)(blk, 2);
+        }
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
             const KS_TI s = KS_TN(ks_dot_chunks)(               /* codes <= 31, <= 15 */
@@ -85,11 +120,13 @@ KS_TFN void KS_TN(ks_q4x_tile)(const int f, const int T, const uint8_t *w, int64
         KS_MM(storeu_ps)(res + KS_TW * j, acc[j]);
 }
 
-/* The product (the contract of the plain twin): decode in KS_TW x 1 tiles, prefetching the
- * next (taken at 16 rows; AVX2's decode goes to ks_q4.h's 8 x 1 tile with horizontal sums
- * before it gets here); prefill in tiles of KS_TW rows x up to KS_TTOKENS tokens over blocks
- * of KS_PREFILL_TOKEN_BLOCK tokens. */
-KS_TFN void KS_TN(ks_q4x_matmul_rows)(const int f, KS_ROWS_PARAMS)
+/* The product (the contract of the plain twin), on rows as the file lays them out (il 0) or
+ * on groups of KS_TW interleaved rows (il 1: r0 a multiple of KS_TW, row r's group at
+ * w + r * w_stride): decode in KS_TW x 1 tiles, prefetching the next (taken at 16 rows; AVX2's
+ * decode of file rows goes to ks_q4.h's 8 x 1 tile with horizontal sums before it gets here);
+ * prefill in tiles of KS_TW rows x up to KS_TTOKENS tokens over blocks of
+ * KS_PREFILL_TOKEN_BLOCK tokens. */
+KS_TFN void KS_TN(ks_q4x_matmul_rows)(const int f, const int il, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
     int32_t xs[tblock * nb];
@@ -101,13 +138,13 @@ KS_TFN void KS_TN(ks_q4x_matmul_rows)(const int f, KS_ROWS_PARAMS)
             const int rv = r1 - r < KS_TW ? r1 - r : KS_TW;
             if (n == 1) {
                 const uint8_t *next = r + KS_TW < m ? w + (int64_t)(r + KS_TW) * w_stride : NULL;
-                KS_TN(ks_q4x_tile)(f, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, xs, 1, nb,
-                                   res, next, KS_TW * w_stride / nb);
+                KS_TN(ks_q4x_tile)(f, il, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, xs,
+                                   1, nb, res, next, KS_TW * w_stride / nb);
                 ks_q8_store_tile(KS_TW, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
-#define KS_Q4X_TILE(TT, t, tv) KS_TN(ks_q4x_tile)(f, TT, w + (int64_t)r * w_stride, w_stride, rv, \
-    xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res, NULL, 0)
+#define KS_Q4X_TILE(TT, t, tv) KS_TN(ks_q4x_tile)(f, il, TT, w + (int64_t)r * w_stride, w_stride, \
+    rv, xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res, NULL, 0)
             KS_T_TOKEN_TILES(KS_Q4X_TILE)
 #undef KS_Q4X_TILE
         }

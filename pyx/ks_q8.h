@@ -279,6 +279,15 @@ KS_INLINE __m256 ks_fp16_lanes_t8(const uint8_t *const p[8], int64_t off)
         h[i] = ks_load_u16le(p[i] + off);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
+
+/* The 8 fp16 at p as floats (an interleaved group's scales, ks_weights.h) */
+KS_INLINE __m256 ks_fp16_vec_t8(const uint8_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* -x, by its sign bit (zeros too) */
+KS_INLINE __m256 ks_negate_t8(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
 #else
 /* 4 int32 partial sums of w . x for one block (two 16-byte halves). */
 KS_INLINE int32x4_t ks_dot_block_neon(int8x16_t w0, int8x16_t w1, int8x16_t x0, int8x16_t x1)
@@ -618,6 +627,19 @@ KS_VNNI_FN __m512 ks_fp16_lanes_t16(const uint8_t *const p[16], int64_t off)
     for (int i = 0; i < 16; i++)
         h[i] = ks_load_u16le(p[i] + off);
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+}
+
+/* The 16 fp16 at p as floats (an interleaved group's scales, ks_weights.h) */
+KS_VNNI_FN __m512 ks_fp16_vec_t16(const uint8_t *p)
+{
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* ks_negate_t8 on 16 lanes (in integers: xor_ps is AVX512DQ's) */
+KS_VNNI_FN __m512 ks_negate_t16(__m512 x)
+{
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x),
+                                                _mm512_set1_epi32((int)0x80000000u)));
 }
 
 /* res[j * 16 + i] = out value of row i, token j < T (KS_VNNI_TOKENS or _WIDE); rows >= rv /

@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf import quants as gq
 
+import kestreld._kernels as K
 from kestreld.model.gguf_file import open_gguf
 from kestreld.model.load import load_model
 from kestreld.model.quant import dequantize_q8_0
@@ -17,7 +18,7 @@ from _loader_models import Spec, random_weights, smollm2_gguf, write_gguf
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_model(smollm2_gguf())
+    return load_model(smollm2_gguf(), interleave=False)
 
 
 def test_smollm2_hyperparameters(smollm2):
@@ -50,6 +51,24 @@ def test_smollm2_weights_match_the_file(smollm2):
     np.testing.assert_array_equal(smollm2.weights.layers[3].ffn_norm,
                                   tensors["blk.3.ffn_norm.weight"].data)
     assert smollm2.weights.out_norm.dtype == np.float32
+
+
+def test_smollm2_q4_1_matrices_interleaved_where_the_cpu_has_the_product(smollm2):
+    """By default the loader copies matrices into interleaved groups where the CPU has that
+    product (Q4_1 on AVX512-VNNI): the same rows, interleaved, the embedding left in place."""
+    il = load_model(smollm2_gguf())
+    if not K.interleaves(int(T.Q4_1)):
+        assert il.interleaved == {}
+        return
+    dense = [m for L in smollm2.weights.layers for m in (L.wq, L.wk, L.wv, L.wo, L.w_gate,
+                                                         L.w_up, L.w_down) if m.qtype == T.Q4_1]
+    assert il.interleaved == {"q4_1": sum(m.data.nbytes for m in dense)}
+    got = il.weights.layers[7].w_down
+    assert got.interleaved and got.data.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(got.data, K.interleave_rows(smollm2.weights.layers[7].w_down.data,
+                                                              int(T.Q4_1), 1536))
+    assert il.weights.tok_embd.interleaved is False
+    assert il.weights.type_shares() == smollm2.weights.type_shares()
 
 
 def test_metadata_parse_equals_gguf_reader():
@@ -214,3 +233,35 @@ def test_reader_is_kept_alive(tmp_path):
     m = load_model(str(path))
     assert any(isinstance(k, GGUFReader) for k in m.keepalive)
     assert os.path.samefile(m.keepalive[0].data.filename, path)
+
+
+def _mapped_rss_kb(path: str) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:        # a mapping's first line
+                ours = head[-1] == os.path.realpath(path)
+            elif ours and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+def test_released_pages_of_a_map_leave_memory_and_keep_their_bytes(tmp_path):
+    from kestreld.model.load import _release_mapped
+    path = tmp_path / "blob"
+    data = np.random.default_rng(0).integers(0, 256, 1 << 22, dtype=np.uint8)
+    data.tofile(path)
+    mapped = np.memmap(path, mode="r")
+    view = np.asarray(mapped)[4096 * 3 + 100:]        # the loader's views: not page-aligned
+    assert int(view.sum(dtype=np.int64)) == int(data[4096 * 3 + 100:].sum(dtype=np.int64))
+    before = _mapped_rss_kb(str(path))
+    _release_mapped(view)
+    after = _mapped_rss_kb(str(path))
+    assert before >= 4000 and after <= before - 4000 + 8, (before, after)
+    assert np.array_equal(view, data[4096 * 3 + 100:])   # read back from the file
+    anon = data.copy()
+    _release_mapped(anon)                                  # anonymous memory: left alone
+    assert np.array_equal(anon, data)

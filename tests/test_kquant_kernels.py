@@ -38,6 +38,7 @@ import reference
 from kestreld.engine.forward import Forward
 from kestreld.engine.kvcache import KVCache
 from kestreld.model.config import ModelConfig
+from kestreld.model.load import interleave_matrices
 from kestreld.model.weights import LayerWeights, Matrix, ModelWeights, MoEWeights
 from metrics import margin_top1_agreement, rel_rms_error
 from test_kernels import assert_product_of_every_path, quantized_activations
@@ -196,6 +197,13 @@ def test_model_on_k_quants_matches_the_reference(kind):
     for chunk, threads in ((7, 1), (1, 2)):          # prefill chunks, then decode steps
         again, again_routes = _logits(model, ids, chunk, threads)
         assert np.array_equal(again, got) and np.array_equal(again_routes, routes), chunk
+    # the dense matrices interleaved, where the CPU has that product: the same bits
+    il_weights, copied = interleave_matrices(model.weights)
+    assert bool(copied) == K.interleaves(int(QT.Q4_K))
+    for chunk in (256, 1):
+        again, again_routes = _logits(SimpleNamespace(config=model.config, weights=il_weights),
+                                      ids[:64], chunk, 2)
+        assert np.array_equal(again, got[:64]) and np.array_equal(again_routes, routes[:, :64])
 
     ref_routes = []
     same = reference.forward(held, hf_cfg, ids, kv_int8=True, act_q8=True, routing=ref_routes)

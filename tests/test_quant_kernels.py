@@ -176,6 +176,20 @@ def test_model_in_the_type_matches_the_reference(models, qtype, name):
     step = _engine(loaded, n, 1).forward_logits(ids[:40], 0)
     assert np.array_equal(step.view(np.uint32), got[:40].view(np.uint32))
 
+    # the dense matrices interleaved (where the CPU has that product) or in the map: same bits
+    in_map = load_model(str(m.gguf[qtype.name.lower()]), interleave=False)
+    assert in_map.interleaved == {}
+    assert bool(loaded.interleaved) == K.interleaves(int(qtype))
+    flat = _engine(in_map, n, 256).forward_logits(ids, 0)
+    assert np.array_equal(flat.view(np.uint32), got.view(np.uint32))
+
+
+def test_the_types_interleaved_are_the_4_to_6_bit_ones_on_vnni_cpus(vnni):
+    """Interleaving needs the AVX512-VNNI product on 16-row groups (ks_weights.h); Q8_0, which
+    decode reads at the memory's speed from rows, is not interleaved."""
+    every = set(TYPES) | set(kquant_blocks.K_TYPES)
+    assert {t for t in every if K.interleaves(int(t))} == (every - {QT.Q8_0} if vnni else set())
+
 
 @pytest.mark.parametrize("qtype", LOW_BIT, ids=LOW_BIT_IDS)
 def test_loader_keeps_the_type_in_place(models, qtype):

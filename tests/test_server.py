@@ -131,7 +131,7 @@ def test_ping_and_status_fields(daemon, client, meta):
                           "n_params": meta["n_params"], "n_layers": meta["n_layers"],
                           "context_length": meta["context_length"],
                           "weights": "q8_0", "source_dtype": "q8_0", "weight_types": {"q8_0": 1.0},
-                          "file_bytes": os.path.getsize(daemon.model),
+                          "weights_interleaved_bytes": {}, "file_bytes": os.path.getsize(daemon.model),
                           "chat_template_source": "gguf", "vision": False}
     assert (s["max_seq"], s["kv_bs"], s["kv_dtype"], s["threads"]) == (512, 32, "q8", 1)
     assert s["kv_bytes_per_token_layer"] == per_token_layer == 408

@@ -6,10 +6,14 @@ weight layout and is the one place that decides which roles a model needs.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
+
+import numpy as np
 
 from ..errors import ModelLoadError
 from .convert import cached_q8_0, find_cached_q8_0
@@ -17,7 +21,7 @@ from .gguf_file import GGUFSource
 from .hf_dir import HFSource, is_qwen3vl_dir
 from ..text.tokenizer import Tokenizer
 from .config import ModelConfig
-from .weights import Q8_BLOCK, LayerWeights, ModelWeights, MoEWeights, compute_types
+from .weights import Q8_BLOCK, LayerWeights, Matrix, ModelWeights, MoEWeights, compute_types
 
 log = logging.getLogger("kestreld")
 
@@ -40,10 +44,13 @@ class LoadedModel:
     mmproj: Optional[str] = None     # the vision projector GGUF the encoder came from, if any
     conversion: Optional[str] = None  # None: every matrix in place from the map; else how
                                       # matrices the kernels do not compute on were converted
+    interleaved: dict = field(default_factory=dict)  # type -> bytes of its matrices copied
+                                                     # into interleaved groups at load
 
 
 def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str] = None,
-               fits: Optional[Callable[[ModelConfig, int], None]] = None) -> LoadedModel:
+               fits: Optional[Callable[[ModelConfig, int], None]] = None,
+               interleave: bool = True) -> LoadedModel:
     """Load a model; any fault raises ModelLoadError naming the file and what is wrong.
 
     A GGUF's matrices of the types the kernels compute on are used in place from the map.
@@ -55,7 +62,10 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
     a qwen3vl text GGUF (the vision half of a split Qwen3-VL). `fits(config, bytes)`, called
     once the file is opened and before any weight is read: may refuse to go on when what the
     weights will take in memory (`bytes`, the vision encoder's mmproj file included) does
-    not fit."""
+    not fit. `interleave`: the matrices the CPU has an interleaved product for (Q4_0, Q4_1,
+    Q5_0 on AVX512-VNNI CPUs; not the token embedding, not MoE experts) are copied into it
+    once and their mapped pages released (`interleave_matrices`); False keeps every matrix in
+    place in the map."""
     if os.path.isdir(path):
         source, mmproj, conversion = _open_hf_cached(path, cache_dir, mmproj)
     elif os.path.exists(path):
@@ -65,10 +75,13 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
     check_shapes(source.config, path)
     if fits is not None:
         fits(source.config, source.resident_bytes() + (os.path.getsize(mmproj) if mmproj else 0))
+    weights, interleaved = _assemble(source, source.config), {}
+    if interleave:
+        weights, interleaved = interleave_matrices(weights)
     return LoadedModel(
         path=path,
         config=source.config,
-        weights=_assemble(source, source.config),
+        weights=weights,
         tokenizer=source.tokenizer,
         chat_template=source.chat_template,
         chat_template_source=source.chat_template_source,
@@ -78,7 +91,50 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
         vision=_vision(source, path, mmproj),
         mmproj=mmproj,
         conversion=conversion,
+        interleaved=interleaved,
     )
+
+
+def interleave_matrices(weights: ModelWeights) -> tuple:
+    """(weights', {type name: bytes copied}): `weights` with each matrix that has an
+    interleaved product on this CPU replaced by its interleaved copy (Matrix.interleave),
+    except the token embedding (read by rows) and MoE experts (only the chosen ones' pages are
+    read, in place). The pages of the map each copied matrix came from are released, so
+    resident memory does not grow (padding to whole groups of 16 rows aside)."""
+    copied: dict = {}
+
+    def place(m: Optional[Matrix]) -> Optional[Matrix]:
+        if m is None or m is weights.tok_embd:
+            return m
+        il = m.interleave()
+        if il is not m:
+            name = m.qtype.name.lower()
+            copied[name] = copied.get(name, 0) + il.data.nbytes
+            _release_mapped(m.data)
+        return il
+
+    layers = [replace(L, **{f: place(getattr(L, f)) for f in _DENSE_MATRICES}) for L in weights.layers]
+    return replace(weights, layers=layers, output=place(weights.output)), copied
+
+
+_DENSE_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _release_mapped(a: np.ndarray) -> None:
+    """Drops the whole pages of `a` from this process's memory when `a` views a file's
+    memory map (madvise MADV_DONTNEED: the page cache keeps them, a later read faults them
+    back in); an array of anonymous memory is left alone (dropping would zero it)."""
+    base = a
+    while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
+        base = getattr(base, "base", None)
+    if base is None:
+        return
+    start, end = a.ctypes.data, a.ctypes.data + a.nbytes
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi > lo:
+        _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
 
 
 def check_shapes(c: ModelConfig, path: str) -> None:

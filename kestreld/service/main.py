@@ -127,6 +127,17 @@ def weights_line(model) -> str:
     return ", ".join(f"{t} {share:.0%}" for t, share in model.weights.type_shares().items())
 
 
+def placement_line(model) -> str:
+    """Where the weights are: in place from the map or converted, and which types' matrices
+    were copied into interleaved groups, e.g. "in place from the file's map; q5_0 54 MB
+    interleaved"."""
+    line = model.conversion or "in place from the file's map"
+    if model.interleaved:
+        line += "; " + ", ".join(f"{t} {n / 1e6:,.0f} MB" for t, n in model.interleaved.items())
+        line += " interleaved (--no-interleave keeps them in the map)"
+    return line
+
+
 def memory_check(cfg: Config, path: str, available: int):
     """The `fits` check of load_model: InsufficientMemory when the weights and the KV arena
     of max_seq tokens need more than `available` bytes (unless --no-memory-check)."""
@@ -148,14 +159,15 @@ def build_engine(cfg: Config, path: str, sharing: Optional[CoreSharing] = None) 
     if other processes use our cores."""
     t0 = time.monotonic()
     model = load_model(path, cache_dir=cfg.cache_dir, mmproj=cfg.mmproj,
-                       fits=memory_check(cfg, path, psutil.virtual_memory().available))
+                       fits=memory_check(cfg, path, psutil.virtual_memory().available),
+                       interleave=cfg.interleave)
     disk_kv = (DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
                                 cfg.prefix_min) if cfg.disk_kv else None)
     engine = Engine.from_config(model, cfg, disk_kv=disk_kv)
     c, kv = model.config, engine.kv
     log.info("model %s: %s %s, %d layers, %d params, weights %s (%s) in %.1f s",
              path, c.arch, c.name, c.n_layers, c.n_params, weights_line(model),
-             model.conversion or "in place from the file's map", time.monotonic() - t0)
+             placement_line(model), time.monotonic() - t0)
     log.info("inference state ready (max_seq=%d, kv_bs=%d, kv_arena=%.1f MB, threads=%d)",
              kv.max_seq, kv.kv_bs, kv.nbytes / 1e6, engine.threads)
     line = sharing and sharing_line(sharing.cpus, sharing.others(), engine.threads)
