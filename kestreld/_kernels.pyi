@@ -43,10 +43,10 @@ def matmul(w: np.ndarray, qtype: int, xq: np.ndarray, xd: np.ndarray, out: np.nd
 def matmul_plain(w: np.ndarray, qtype: int, xq: np.ndarray, xd: np.ndarray, out: np.ndarray,
                  nthreads: int, interleaved: bool = False) -> None: ...
 def set_matmul_vnni(enabled: bool) -> bool: ...
-def interleaves(qtype: int) -> bool:
-    """Whether matrices of the type are interleaved on this CPU (16-row groups)."""
+def interleaves(qtype: int) -> int:
+    """Rows per interleaved group of the type on this CPU: 16 (AVX512-VNNI), 8 (AVX2), 0."""
 def interleave_rows(w: np.ndarray, qtype: int, cols: int) -> np.ndarray:
-    """w's rows in interleaved groups of 16 (a new 64-byte-aligned array)."""
+    """w's rows in interleaved groups of interleaves(qtype) (a new 64-byte-aligned array)."""
 def dequantize_rows(w: np.ndarray, qtype: int, ids: np.ndarray, out: np.ndarray) -> None:
     """out (n, k) = rows ids (int32 (n,)) of w as float."""
 

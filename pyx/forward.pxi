@@ -25,12 +25,13 @@ cdef int _fill_matrix(ks_matrix *out, object m, Py_ssize_t rows, Py_ssize_t cols
                          f"{m.n_mat} x ({m.rows}, {m.cols})")
     if cols % ks_type_block(qtype):
         raise ValueError(f"Forward: {what} has {cols} columns, not whole blocks of {m.qtype.name}")
-    if m.interleaved and (n_mat != 1 or not ks_interleaves(qtype) or what == "tok_embd"):
-        raise ValueError(f"Forward: {what} ({m.qtype.name}) cannot be interleaved here")
+    if m.group_rows and (n_mat != 1 or m.group_rows != ks_il_rows(qtype) or what == "tok_embd"):
+        raise ValueError(f"Forward: {what} ({m.qtype.name}) cannot be interleaved by "
+                         f"{m.group_rows} rows here")
     rb = ks_type_row_bytes(qtype, cols)
     out.type, out.rows, out.cols, out.n_mat = qtype, <int32_t>rows, <int32_t>cols, <int32_t>n_mat
     out.row_stride, out.mat_stride = rb, rb * rows
-    out.interleave = KS_IL_ROWS if m.interleaved else 0
+    out.interleave = m.group_rows
     if n_mat == 1 and m.data.ndim == 2:
         mv2 = m.data
         if mv2.shape[1] != rb:

@@ -64,7 +64,6 @@ cdef extern from "ks_weights.h" nogil:
         int32_t n_mat
         int32_t interleave
     int KS_N_TYPES
-    int KS_IL_ROWS
     ctypedef struct ks_type_ops:
         int type
     const ks_type_ops *ks_types
@@ -76,7 +75,7 @@ cdef extern from "ks_weights.h" nogil:
                         const int16_t *xh, int n, float *out, int r0, int r1)
     int ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
                              const int16_t *xh, int n, float *out, int r0, int r1)
-    int ks_interleaves(int type)
+    int ks_il_rows(int type)
     void ks_interleave_rows(int type, const uint8_t *src, int rows, int cols, uint8_t *dst)
 
 

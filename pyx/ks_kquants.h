@@ -573,6 +573,14 @@ KS_INLINE __m256i ks_q6k_isum_t8(const __m256i codes[8], const int8_t *xb, const
 #include "ks_kq_tile.h"
 #undef KS_TW
 
+/* the products on 8-row interleaved groups (ks_weights.h), decode included */
+static void ks_q4k_matmul_rows_x8(KS_ROWS_PARAMS)
+{ ks_kq_matmul_rows_t8(KS_KQ_Q4K, 1, KS_ROWS_ARGS); }
+static void ks_q5k_matmul_rows_x8(KS_ROWS_PARAMS)
+{ ks_kq_matmul_rows_t8(KS_KQ_Q5K, 1, KS_ROWS_ARGS); }
+static void ks_q6k_matmul_rows_x8(KS_ROWS_PARAMS)
+{ ks_kq_matmul_rows_t8(KS_KQ_Q6K, 1, KS_ROWS_ARGS); }
+
 #if defined(KS_HAVE_VNNI)
 /* a float vector from two 8-lane halves (rows 0-7, rows 8-15) */
 KS_VNNI_FN __m512 ks_join16_ps(__m256 lo, __m256 hi)
@@ -652,7 +660,9 @@ KS_VNNI_TARGET static void ks_q6k_matmul_rows_x16(KS_ROWS_PARAMS)
  * tile with horizontal sums avoids (measured faster there by bench/kernels.py). NEON: decode
  * in 8 x 1 tiles, prefill in 4 x 2. AVX512-VNNI CPUs take the *_vnni entry points above instead
  * (ks_weights.h's table), ks_kq_tile.h's 16-row tiles for decode too: 1.04-1.47x the 8-row
- * tiles with the rows in cache, Q4_K about 0.95x from memory. */
+ * tiles with the rows in cache, Q4_K about 0.95x from memory. An interleaved matrix goes to the
+ * *_x8 / *_x16 entry points, ks_kq_tile.h's tiles for both (Q6_K's codes need no transpose
+ * there). */
 KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, nsb = k / KS_QK_K, sums = kind != KS_KQ_Q6K;

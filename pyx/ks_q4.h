@@ -315,6 +315,10 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 #define KS_TW 8
 #include "ks_q4_tile.h"
 #undef KS_TW
+/* the products on 8-row interleaved groups (ks_weights.h), decode included */
+static void ks_q4_0_matmul_rows_x8(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t8(KS_Q4X_Q4_0, 1, KS_ROWS_ARGS); }
+static void ks_q4_1_matmul_rows_x8(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t8(KS_Q4X_Q4_1, 1, KS_ROWS_ARGS); }
+static void ks_q5_0_matmul_rows_x8(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t8(KS_Q4X_Q5_0, 1, KS_ROWS_ARGS); }
 #if defined(KS_HAVE_VNNI)
 /* ks_q5_bits_t8 on 16 lanes */
 KS_VNNI_FN __m512i ks_q5_bits_t16(__m512i qh, const int s)
@@ -360,7 +364,8 @@ KS_VNNI_TARGET static void ks_q5_0_matmul_rows_x16(KS_ROWS_PARAMS) { ks_q4x_matm
  * with horizontal sums, prefetching the next tile as ks_q8.h does; prefill: ks_q4_tile.h's
  * 8-row tiles on AVX2, tiles of 4 rows x 2 tokens on NEON. AVX512-VNNI CPUs take the per-type
  * *_vnni entry points above instead (ks_weights.h's table), ks_q4_tile.h's 16-row tiles for
- * decode too: 1.1-1.3x the 8 x 1 tile with the rows in cache, 0.96-1.13x from memory. */
+ * decode too: 1.1-1.3x the 8 x 1 tile with the rows in cache, 0.96-1.13x from memory. An
+ * interleaved matrix goes to the *_x8 / *_x16 entry points, ks_q4_tile.h's tiles for both. */
 static inline __attribute__((always_inline))
 void ks_q4x_matmul_rows(const int f, KS_ROWS_PARAMS)
 {

@@ -754,6 +754,12 @@ static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
 }
 #endif
 
+#if defined(KS_AVX2)
+#define KS_AVX2_ROWS(fn) fn         /* a type's AVX2-only product, for ks_weights.h's table */
+#else
+#define KS_AVX2_ROWS(fn) NULL
+#endif
+
 #if defined(KS_HAVE_VNNI)
 #define KS_VNNI_ROWS(fn) fn         /* a type's VNNI product, for ks_weights.h's table */
 #else

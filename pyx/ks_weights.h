@@ -1,12 +1,12 @@
 /* Kestrel kernels: the weight ABI, how the C side sees a model's weights (no Python here).
  *
  * Every weight matrix is a ks_matrix: its GGML quant type, its shape, its row stride and a
- * pointer to its first byte, usually inside the model file's memory map. On AVX512-VNNI CPUs
- * the loader may interleave a matrix instead (ks_interleave_rows, below): a copy whose groups
- * of 16 rows lay each block field of the 16 rows side by side, so the 16-row tiles load them
- * as vectors rather than gather them from 16 rows. Matrices of
- * different types stand side by side in one model (a Q4_K_M file mixes four), and a stack of
- * MoE experts is one ks_matrix with n_mat > 1. A layer is a ks_layer of matrices and norm
+ * pointer to its first byte, usually inside the model file's memory map. On x86 the loader may
+ * interleave a matrix instead (ks_interleave_rows, below): a copy whose groups of as many rows
+ * as the CPU's tiles take (16 with AVX512-VNNI, else 8) lay each block field of those rows
+ * side by side, so the tiles load them as vectors rather than gather them from the rows.
+ * Matrices of different types stand side by side in one model (a Q4_K_M file mixes four), and
+ * a stack of MoE experts is one ks_matrix with n_mat > 1. A layer is a ks_layer of matrices and norm
  * vectors; the model is a ks_model. kestreld/model/weights.py is the Python side (Matrix,
  * LayerWeights, ModelWeights); pyx/forward.pxi builds these structs from those dataclasses
  * by field name.
@@ -52,8 +52,8 @@ typedef struct {
     int32_t type;             /* KS_TYPE_* */
     int32_t rows, cols;       /* of one matrix */
     int32_t n_mat;            /* 1, or the number of stacked experts */
-    int32_t interleave;       /* 0: rows as the file lays them out; KS_IL_ROWS: interleaved
-                                 groups (n_mat 1), rows rounded up to whole groups */
+    int32_t interleave;       /* 0: rows as the file lays them out; else the rows per
+                                 interleaved group (n_mat 1; rows rounded up to whole groups) */
 } ks_matrix;
 
 /* rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T (KS_ROWS_PARAMS, ks_q8.h) */
@@ -63,28 +63,31 @@ typedef void (*ks_dequant_fn)(const uint8_t *row, float *out, int k);
 /* What a weight type is and, for the types the kernels compute on, its kernels: the build's
  * product (AVX2, NEON or plain C), its plain C twin, the AVX512-VNNI product that
  * ks_matrix_rows takes instead on CPUs that have it (NULL where the build has none), and the
- * AVX512-VNNI product on interleaved groups (NULL: the type is not interleaved). */
+ * products on 8-row (AVX2) and 16-row (AVX512-VNNI) interleaved groups (NULL: none). */
 typedef struct {
     int type, block, block_bytes;     /* values and bytes per block (GGML's layouts) */
     int fp16_head;                    /* 2-byte fields (fp16 scales) at the block's start, before
                                          4-byte fields (ks_interleave_group) */
     ks_dequant_fn dequant_row;        /* NULL: the kernels do not compute on it */
-    ks_rows_fn rows, rows_plain, rows_vnni, rows_il;
+    ks_rows_fn rows, rows_plain, rows_vnni, rows_il8, rows_il16;
 } ks_type_ops;
 
 /* a type's products, by the stem of their names (ks_<stem>_matmul_rows...) */
 #define KS_ROWS_FNS(stem) ks_##stem##_matmul_rows, ks_##stem##_matmul_rows_plain, \
     KS_VNNI_ROWS(ks_##stem##_matmul_rows_vnni)
+/* ... and its products on interleaved groups */
+#define KS_IL_FNS(stem) KS_AVX2_ROWS(ks_##stem##_matmul_rows_x8), \
+    KS_VNNI_ROWS(ks_##stem##_matmul_rows_x16)
 
 static const ks_type_ops ks_types[] = {
-    {KS_TYPE_F32, 1, 4, 0, NULL, NULL, NULL, NULL, NULL},   /* MoE routers: float dot products */
-    {KS_TYPE_Q4_0, 32, 18, 1, ks_q4_0_dequant_row, KS_ROWS_FNS(q4_0), KS_VNNI_ROWS(ks_q4_0_matmul_rows_x16)},
-    {KS_TYPE_Q4_1, 32, 20, 2, ks_q4_1_dequant_row, KS_ROWS_FNS(q4_1), KS_VNNI_ROWS(ks_q4_1_matmul_rows_x16)},
-    {KS_TYPE_Q5_0, 32, 22, 1, ks_q5_0_dequant_row, KS_ROWS_FNS(q5_0), KS_VNNI_ROWS(ks_q5_0_matmul_rows_x16)},
-    {KS_TYPE_Q8_0, 32, KS_QBLOCK, 1, ks_dequantize_row_q8_0, KS_ROWS_FNS(q8), NULL},
-    {KS_TYPE_Q4_K, 256, 144, 2, ks_q4k_dequant_row, KS_ROWS_FNS(q4k), KS_VNNI_ROWS(ks_q4k_matmul_rows_x16)},
-    {KS_TYPE_Q5_K, 256, 176, 2, ks_q5k_dequant_row, KS_ROWS_FNS(q5k), KS_VNNI_ROWS(ks_q5k_matmul_rows_x16)},
-    {KS_TYPE_Q6_K, 256, 210, 0, ks_q6k_dequant_row, KS_ROWS_FNS(q6k), KS_VNNI_ROWS(ks_q6k_matmul_rows_x16)},
+    {KS_TYPE_F32, 1, 4, 0, NULL, NULL, NULL, NULL, NULL, NULL},  /* MoE routers: float dots */
+    {KS_TYPE_Q4_0, 32, 18, 1, ks_q4_0_dequant_row, KS_ROWS_FNS(q4_0), KS_IL_FNS(q4_0)},
+    {KS_TYPE_Q4_1, 32, 20, 2, ks_q4_1_dequant_row, KS_ROWS_FNS(q4_1), KS_IL_FNS(q4_1)},
+    {KS_TYPE_Q5_0, 32, 22, 1, ks_q5_0_dequant_row, KS_ROWS_FNS(q5_0), KS_IL_FNS(q5_0)},
+    {KS_TYPE_Q8_0, 32, KS_QBLOCK, 1, ks_dequantize_row_q8_0, KS_ROWS_FNS(q8), NULL, NULL},
+    {KS_TYPE_Q4_K, 256, 144, 2, ks_q4k_dequant_row, KS_ROWS_FNS(q4k), KS_IL_FNS(q4k)},
+    {KS_TYPE_Q5_K, 256, 176, 2, ks_q5k_dequant_row, KS_ROWS_FNS(q5k), KS_IL_FNS(q5k)},
+    {KS_TYPE_Q6_K, 256, 210, 0, ks_q6k_dequant_row, KS_ROWS_FNS(q6k), KS_IL_FNS(q6k)},
 };
 #define KS_N_TYPES ((int)(sizeof(ks_types) / sizeof(ks_types[0])))
 
@@ -132,20 +135,19 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
 
 /* ---- interleaved groups --------------------------------------------------------------------
  * A type's block is a run of fields: fp16_head 2-byte fields, then 4-byte ones (a last 2 bytes
- * are one more field: Q6_K's d). Group g of an interleaved matrix holds rows g*16 .. g*16 + 15
- * in the bytes of those 16 rows; its block b holds each field of the 16 rows' blocks b side by
- * side: row i's field at offset o of its block sits at g's block b + 16 * o + i * (the field's
- * size). A field at offset o of the block thus becomes one 16-lane vector at 16 * o (fp16
+ * are one more field: Q6_K's d). Group g of a matrix interleaved by W rows holds rows g*W ..
+ * g*W + W - 1 in the bytes of those W rows; its block b holds each field of the W rows' blocks
+ * b side by side: row i's field at offset o of its block sits at g's block b + W * o + i * (the
+ * field's size). A field at offset o of the block thus becomes one W-lane vector at W * o (fp16
  * scales, Q5_0's high bits, dwords of codes). Rows past the matrix's end are zero. */
-#define KS_IL_ROWS 16
 
-/* Group g (KS_IL_ROWS rows of nb blocks) between the rows' layout, row i at rows + i * rb
- * (i < nrows; rows past nrows are zero in il), and the interleaved one at il; back: il ->
- * rows, else rows -> il. */
-static inline void ks_interleave_group(const ks_type_ops *t, int nb, uint8_t *il, uint8_t *rows,
-                                       int nrows, int back)
+/* Group g (W rows of nb blocks) between the rows' layout, row i at rows + i * rb (i < nrows;
+ * rows past nrows are zero in il), and the interleaved one at il; back: il -> rows, else rows
+ * -> il. */
+static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb, uint8_t *il,
+                                       uint8_t *rows, int nrows, int back)
 {
-    const int B = t->block_bytes, W = KS_IL_ROWS;
+    const int B = t->block_bytes;
     const int64_t rb = (int64_t)nb * B;
     if (!back && nrows < W)
         memset(il, 0, (size_t)W * rb);
@@ -165,37 +167,39 @@ static inline void ks_interleave_group(const ks_type_ops *t, int nb, uint8_t *il
         }
 }
 
-/* Whether matrices of this type can be interleaved here: a product on interleaved groups
- * exists in the build and the CPU runs it. */
-static inline int ks_interleaves(int type)
+/* The rows per group in which matrices of this type are interleaved on this CPU: 16 where
+ * the AVX512-VNNI product on such groups runs, 8 where the AVX2 one does, 0 if none. */
+static inline int ks_il_rows(int type)
 {
     const ks_type_ops *t = ks_type(type);
-    return t != NULL && t->rows_il != NULL && ks_use_vnni();
+    if (t == NULL)
+        return 0;
+    return t->rows_il16 != NULL && ks_use_vnni() ? 16 : t->rows_il8 != NULL ? 8 : 0;
 }
 
-/* dst := src (rows x cols of type `type`, rows as GGUF lays them out) interleaved: dst holds
- * ceil(rows / KS_IL_ROWS) groups of KS_IL_ROWS rows' bytes. */
+/* dst := src (rows x cols of type `type`, rows as GGUF lays them out) interleaved by
+ * W = ks_il_rows(type) > 0: dst holds ceil(rows / W) groups of W rows' bytes. */
 static inline void ks_interleave_rows(int type, const uint8_t *src, int rows, int cols,
                                       uint8_t *dst)
 {
     const ks_type_ops *t = ks_type(type);
-    const int nb = cols / t->block;
-    const int64_t gb = (int64_t)KS_IL_ROWS * nb * t->block_bytes;
-    for (int g = 0; g * KS_IL_ROWS < rows; g++)
-        ks_interleave_group(t, nb, dst + g * gb, (uint8_t *)src + g * gb,
-                            rows - g * KS_IL_ROWS, 0);
+    const int nb = cols / t->block, W = ks_il_rows(type);
+    const int64_t gb = (int64_t)W * nb * t->block_bytes;
+    for (int g = 0; g * W < rows; g++)
+        ks_interleave_group(t, W, nb, dst + g * gb, (uint8_t *)src + g * gb, rows - g * W, 0);
 }
 
 /* Rows [r0, r1) of out (n, rows) = matrix e of w (rows, cols) . x^T, for the n activation
  * rows x as ks_quantize_row_q8_0 made them (xq (n, cols) int8, xd (n, cols/32) scales, xh
- * (n, cols/16) half sums); r0 a multiple of KS_IL_ROWS where w is interleaved. Every type
+ * (n, cols/16) half sums); r0 a multiple of w's group rows where it is interleaved. Every type
  * computes each output from exact integer block sums and a fixed-order float epilogue, so the
  * result does not depend on the layout, r0, r1 or the thread that computes it. */
 static inline void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
                                   const int16_t *xh, int n, float *out, int r0, int r1)
 {
     const ks_type_ops *t = ks_type(w->type);
-    (w->interleave ? t->rows_il : t->rows_vnni && ks_use_vnni() ? t->rows_vnni : t->rows)(
+    (w->interleave == 16 ? t->rows_il16 : w->interleave == 8 ? t->rows_il8
+     : t->rows_vnni && ks_use_vnni() ? t->rows_vnni : t->rows)(
         w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, xh, n, w->cols, out,
         w->rows, r0, r1);
 }
@@ -213,12 +217,13 @@ static inline int ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *
         t->rows_plain(data, w->row_stride, xq, xd, xh, n, w->cols, out, w->rows, r0, r1);
         return 0;
     }
-    uint8_t *rows = malloc((size_t)KS_IL_ROWS * w->row_stride);
+    const int W = w->interleave;
+    uint8_t *rows = malloc((size_t)W * w->row_stride);
     if (rows == NULL)
         return -1;
-    for (int r = r0; r < r1; r += KS_IL_ROWS) {
-        const int rv = r1 - r < KS_IL_ROWS ? r1 - r : KS_IL_ROWS;
-        ks_interleave_group(t, w->cols / t->block, (uint8_t *)data + r * w->row_stride, rows,
+    for (int r = r0; r < r1; r += W) {
+        const int rv = r1 - r < W ? r1 - r : W;
+        ks_interleave_group(t, W, w->cols / t->block, (uint8_t *)data + r * w->row_stride, rows,
                             rv, 1);
         t->rows_plain(rows, w->row_stride, xq, xd, xh, n, w->cols, out + r, w->rows, 0, rv);
     }

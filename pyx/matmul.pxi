@@ -33,7 +33,8 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
                  bint interleaved) except -1:
     cdef Py_ssize_t m = out.shape[1], n = xq.shape[0], k = xq.shape[1]
     cdef Py_ssize_t rows_per_item, n_items, it, r0, r1
-    cdef Py_ssize_t want_rows = (m + KS_IL_ROWS - 1) // KS_IL_ROWS * KS_IL_ROWS if interleaved else m
+    cdef int group = ks_il_rows(qtype) if interleaved else 0
+    cdef Py_ssize_t want_rows = (m + group - 1) // group * group if group else m
     cdef int failed = 0
     cdef ks_matrix W
     _check_q8_cols(k, "matmul")
@@ -51,13 +52,13 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
     if out.shape[0] != n or w.shape[0] != want_rows:
         rows = f"{w.shape[0]}, less the last group's padding" if interleaved else f"{w.shape[0]}"
         raise ValueError(f"matmul: out must be ({n}, {rows}), got ({out.shape[0]}, {out.shape[1]})")
-    if interleaved and not ks_interleaves(qtype):
+    if interleaved and not group:
         raise ValueError(f"matmul: weight type {qtype} is not interleaved on this CPU")
     if m == 0 or n == 0:
         return 0
     W.data, W.row_stride, W.mat_stride = &w[0, 0], w.shape[1], 0
     W.type, W.rows, W.cols, W.n_mat = qtype, <int32_t>m, <int32_t>k, 1
-    W.interleave = KS_IL_ROWS if interleaved else 0
+    W.interleave = group
     cdef int16_t[:, ::1] xh = np.empty((n, k // 16), np.int16)    # xq's half sums
     for it in range(n):
         ks_q8_half_sums(&xq[it, 0], k, &xh[it, 0])
@@ -83,7 +84,7 @@ def matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq, const fl
            float[:, ::1] out, int nthreads, bint interleaved=False):
     """out (n, m) = w . (xq (n, k), xd (n, k/32))^T for a weight matrix w of GGML type qtype:
     uint8 (m, bytes of a row of k values), e.g. Q8_0's (m, k/32*34); interleaved: w is
-    interleave_rows' copy of such a matrix (m rounded up to whole groups).
+    interleave_rows' copy of such a matrix, made on this CPU (m rounded up to whole groups).
 
     out[t, r] = sum over blocks b in order of isum * (scales of w's block and x's block), isum
     the exact int32 block dot product: bit-identical to matmul_plain. n == 1 is decode.
@@ -99,24 +100,26 @@ def matmul_plain(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
 
 
 def interleaves(int qtype):
-    """Whether matrices of GGML type qtype are interleaved on this CPU (ks_weights.h): a
-    product on 16-row interleaved groups exists for the type and the CPU runs it."""
-    return bool(ks_interleaves(qtype))
+    """The rows per group in which matrices of GGML type qtype are interleaved on this CPU
+    (ks_weights.h): 16 where the AVX512-VNNI product on such groups runs, 8 where the AVX2
+    one does, 0 if there is none."""
+    return ks_il_rows(qtype)
 
 
 def interleave_rows(const uint8_t[:, ::1] w, int qtype, int cols):
     """The interleaved copy of w (rows of `cols` values of type qtype, as GGUF lays them
     out): a new uint8 array of w's row bytes and its rows rounded up to whole groups of
-    16, aligned to 64 bytes (ks_weights.h gives the layout)."""
-    cdef Py_ssize_t m = w.shape[0], groups = (m + KS_IL_ROWS - 1) // KS_IL_ROWS
-    if not ks_interleaves(qtype):
+    interleaves(qtype) rows, aligned to 64 bytes (ks_weights.h gives the layout)."""
+    cdef int group = ks_il_rows(qtype)
+    if not group:
         raise ValueError(f"interleave_rows: weight type {qtype} is not interleaved on this CPU")
+    cdef Py_ssize_t m = w.shape[0], rows = (m + group - 1) // group * group
     if cols <= 0 or cols % ks_type_block(qtype) or w.shape[1] != ks_type_row_bytes(qtype, cols):
         raise ValueError(f"interleave_rows: w must have {ks_type_row_bytes(qtype, cols)} bytes "
                          f"per row of {cols} values, got {w.shape[1]}")
-    raw = np.empty(groups * KS_IL_ROWS * w.shape[1] + 64, np.uint8)
+    raw = np.empty(rows * w.shape[1] + 64, np.uint8)
     start = (-raw.ctypes.data) % 64
-    dst = raw[start:start + groups * KS_IL_ROWS * w.shape[1]].reshape(-1, w.shape[1])
+    dst = raw[start:start + rows * w.shape[1]].reshape(-1, w.shape[1])
     cdef uint8_t[:, ::1] dv = dst
     if m:
         with nogil:

@@ -15,6 +15,7 @@ def test_defaults_without_file_or_env(tmp_path):
     assert (cfg.max_seq, cfg.max_queue, cfg.max_message_bytes, cfg.socket_mode) == \
         (8192, 16, 8 << 20, 0o660)
     assert (cfg.max_outgoing_bytes, cfg.shutdown_grace, cfg.prefix_kv) == (1 << 20, 10, True)
+    assert cfg.interleave is True and cfg.memory_check is True
 
 
 def test_priority_argv_over_env_over_file(tmp_path):
@@ -29,6 +30,17 @@ def test_priority_argv_over_env_over_file(tmp_path):
         (False, 0o600, 2, 4096)
     cfg = load_config(["--max-seq", "300"], environ={"KESTREL_CONFIG": str(conf), **env})
     assert (cfg.max_seq, cfg.max_queue) == (300, 3)
+
+
+def test_switches_that_turn_something_off(tmp_path):
+    conf = tmp_path / "k.conf"
+    conf.write_text("no-interleave\nno-memory-check\n")
+    cfg = load_config(["--config", str(conf)], environ={})
+    assert (cfg.interleave, cfg.memory_check, cfg.prefix_kv) == (False, False, True)
+    empty = tmp_path / "empty.conf"
+    empty.write_text("")
+    cfg = load_config(["--config", str(empty), "--no-interleave"], environ={})
+    assert (cfg.interleave, cfg.memory_check) == (False, True)
 
 
 def test_config_file_errors_name_the_line(tmp_path):

@@ -203,9 +203,10 @@ def assert_product_of_every_path(out, want, mag, w, qtype, xq, xd, label: str) -
     one = np.full((n, m), np.nan, np.float32)
     K.matmul(w, int(qtype), xq, xd, one, 1)
     assert np.array_equal(out.view(np.uint32), one.view(np.uint32))
-    if K.interleaves(int(qtype)):                      # the same rows interleaved, both paths
+    group = K.interleaves(int(qtype))
+    if group:                                          # the same rows interleaved, both paths
         il = K.interleave_rows(w, int(qtype), xq.shape[1])
-        assert il.shape == (-(-m // 16) * 16, w.shape[1]) and il.ctypes.data % 64 == 0
+        assert il.shape == (-(-m // group) * group, w.shape[1]) and il.ctypes.data % 64 == 0
         for product in (K.matmul, K.matmul_plain):
             got = np.full((n, m), np.nan, np.float32)
             product(il, int(qtype), xq, xd, got, 2, True)

@@ -199,7 +199,7 @@ def test_model_on_k_quants_matches_the_reference(kind):
         assert np.array_equal(again, got) and np.array_equal(again_routes, routes), chunk
     # the dense matrices interleaved, where the CPU has that product: the same bits
     il_weights, copied = interleave_matrices(model.weights)
-    assert bool(copied) == K.interleaves(int(QT.Q4_K))
+    assert bool(copied) == bool(K.interleaves(int(QT.Q4_K)))
     for chunk in (256, 1):
         again, again_routes = _logits(SimpleNamespace(config=model.config, weights=il_weights),
                                       ids[:64], chunk, 2)

@@ -179,16 +179,19 @@ def test_model_in_the_type_matches_the_reference(models, qtype, name):
     # the dense matrices interleaved (where the CPU has that product) or in the map: same bits
     in_map = load_model(str(m.gguf[qtype.name.lower()]), interleave=False)
     assert in_map.interleaved == {}
-    assert bool(loaded.interleaved) == K.interleaves(int(qtype))
+    assert bool(loaded.interleaved) == bool(K.interleaves(int(qtype)))
     flat = _engine(in_map, n, 256).forward_logits(ids, 0)
     assert np.array_equal(flat.view(np.uint32), got.view(np.uint32))
 
 
-def test_the_types_interleaved_are_the_4_to_6_bit_ones_on_vnni_cpus(vnni):
-    """Interleaving needs the AVX512-VNNI product on 16-row groups (ks_weights.h); Q8_0, which
-    decode reads at the memory's speed from rows, is not interleaved."""
+def test_the_4_to_6_bit_types_are_interleaved_as_wide_as_the_x86_tiles(vnni):
+    """Groups of 16 rows for the AVX512-VNNI tiles, 8 for the AVX2 ones, none on other CPUs
+    (ks_weights.h); Q8_0, which decode reads at the memory's speed from rows, is not
+    interleaved."""
     every = set(TYPES) | set(kquant_blocks.K_TYPES)
-    assert {t for t in every if K.interleaves(int(t))} == (every - {QT.Q8_0} if vnni else set())
+    group = 16 if vnni else 8 if K.simd_path() == "avx2" else 0
+    assert {t: K.interleaves(int(t)) for t in every} == \
+        {t: 0 if t == QT.Q8_0 else group for t in every}
 
 
 @pytest.mark.parametrize("qtype", LOW_BIT, ids=LOW_BIT_IDS)

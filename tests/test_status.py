@@ -59,3 +59,26 @@ def test_status_model_map_through_the_daemon(tmp_path):
     assert m["context_length"] == spec.max_pos and m["file_bytes"] == os.path.getsize(path)
     assert m["chat_template_source"] == "chatml fallback"
     assert m["weight_types"] == {"q8_0": 1.0} and m["vision"] is False
+
+
+def test_interleaved_weights_through_the_daemon_and_with_no_interleave(tmp_path):
+    """A Q4_0 model: on x86 the daemon interleaves its dense matrices (status says how many
+    bytes), --no-interleave keeps them in the map; both answer with the same token ids."""
+    import kestreld._kernels as K
+    gen = modelgen.generate("qwen3_untied", tmp_path, ("q4_0",))
+    path = str(gen.gguf["q4_0"])
+    reader = gguf.GGUFReader(path)
+    dense = sum(int(t.n_bytes) for t in reader.tensors
+                if len(t.shape) == 2 and t.name not in ("token_embd.weight",))
+    answers = {}
+    for args in ((), ("--no-interleave",)):
+        with Daemon(tmp_path / "k.sock", *args, model=path) as d, d.client() as c:
+            m = c.status()["model"]
+            answers[args] = c.generate(prompt="one two three", max_tokens=12, temperature=0.0,
+                                       ignore_eos=True).ids
+        if args or not K.interleaves(int(gguf.GGMLQuantizationType.Q4_0)):
+            assert m["weights_interleaved_bytes"] == {}
+        else:      # the rows of every dense matrix, whole groups (these shapes need no padding)
+            assert m["weights_interleaved_bytes"] == {"q4_0": dense}
+        assert m["weight_types"] == {"q4_0": 1.0}
+    assert answers[()] == answers[("--no-interleave",)] and len(answers[()]) == 12

@@ -24,7 +24,6 @@ from ..kernels import K
 QType = GGMLQuantizationType
 Q8_BLOCK = 32          # values per Q8_0 block (also the activations' quantization block)
 Q8_BLOCK_BYTES = 34    # fp16 scale + 32 int8
-IL_ROWS = 16           # rows per group of an interleaved matrix (KS_IL_ROWS)
 
 
 def compute_types() -> tuple:
@@ -49,17 +48,18 @@ def row_bytes(qtype: QType, cols: int) -> int:
 @dataclass(frozen=True)
 class Matrix:
     """A (rows, cols) matrix, or n_mat stacked ones: `data` is uint8 (rows, row_bytes) or
-    (n_mat, rows, row_bytes), C-contiguous rows of GGML type `qtype`; or, `interleaved`, one
-    matrix's copy in groups of 16 interleaved rows (`interleave()`), its rows rounded up to
-    whole groups."""
+    (n_mat, rows, row_bytes), C-contiguous rows of GGML type `qtype`; or, group_rows > 0, one
+    matrix's copy in interleaved groups of that many rows (`interleave()`), its rows rounded up
+    to whole groups."""
     data: np.ndarray
     qtype: QType
     rows: int
     cols: int
-    interleaved: bool = False
+    group_rows: int = 0
 
     def __post_init__(self):
-        rows = -(-self.rows // IL_ROWS) * IL_ROWS if self.interleaved else self.rows
+        g = self.group_rows
+        rows = -(-self.rows // g) * g if g else self.rows
         want = (rows, row_bytes(self.qtype, self.cols))
         got = self.data.shape[-2:] if self.data.ndim in (2, 3) else None
         if self.data.dtype != np.uint8 or got != want or not self.data.flags.c_contiguous:
@@ -72,14 +72,21 @@ class Matrix:
         """1, or the number of stacked matrices (MoE experts)."""
         return self.data.shape[0] if self.data.ndim == 3 else 1
 
+    @property
+    def interleaved(self) -> bool:
+        """Whether `data` is an interleaved copy rather than the rows."""
+        return self.group_rows > 0
+
     def interleave(self) -> "Matrix":
-        """This matrix's interleaved copy where the CPU has a product on it (K.interleaves),
-        else itself: a new buffer, in which the 16-row tiles load each block field of 16 rows
-        as one vector (pyx/ks_weights.h gives the layout). Same values, same result bits."""
-        if self.interleaved or self.n_mat != 1 or not K.interleaves(int(self.qtype)):
+        """This matrix's interleaved copy where the CPU has a product on it (K.interleaves:
+        groups of as many rows as its tiles take, 16 or 8), else itself: a new buffer, in which
+        the tiles load each block field of a group's rows as one vector (pyx/ks_weights.h
+        gives the layout). Same values, same result bits."""
+        group = K.interleaves(int(self.qtype))
+        if self.interleaved or self.n_mat != 1 or not group:
             return self
         return Matrix(K.interleave_rows(self.data, int(self.qtype), self.cols), self.qtype,
-                      self.rows, self.cols, True)
+                      self.rows, self.cols, group)
 
     @classmethod
     def of_floats(cls, x: np.ndarray) -> "Matrix":
