@@ -10,6 +10,7 @@ import ctypes
 import logging
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -95,26 +96,32 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
     )
 
 
-def interleave_matrices(weights: ModelWeights) -> tuple:
+def interleave_matrices(weights: ModelWeights, threads: int = 0) -> tuple:
     """(weights', {type name: bytes copied}): `weights` with each matrix that has an
     interleaved product on this CPU replaced by its interleaved copy (Matrix.interleave),
     except the token embedding (read by rows) and MoE experts (only the chosen ones' pages are
     read, in place). The pages of the map each copied matrix came from are released, so
-    resident memory does not grow (padding to whole groups of 16 rows aside)."""
-    copied: dict = {}
-
+    resident memory does not grow (padding to whole groups aside). The copies are made on
+    `threads` threads (0: one per CPU this process may run on; the copy releases the GIL)."""
     def place(m: Optional[Matrix]) -> Optional[Matrix]:
         if m is None or m is weights.tok_embd:
             return m
         il = m.interleave()
         if il is not m:
-            name = m.qtype.name.lower()
-            copied[name] = copied.get(name, 0) + il.data.nbytes
             _release_mapped(m.data)
         return il
 
-    layers = [replace(L, **{f: place(getattr(L, f)) for f in _DENSE_MATRICES}) for L in weights.layers]
-    return replace(weights, layers=layers, output=place(weights.output)), copied
+    todo = [getattr(L, f) for L in weights.layers for f in _DENSE_MATRICES] + [weights.output]
+    with ThreadPoolExecutor(threads or len(os.sched_getaffinity(0))) as pool:
+        done = iter(list(pool.map(place, todo)))
+    layers = [replace(L, **{f: next(done) for f in _DENSE_MATRICES}) for L in weights.layers]
+    out = replace(weights, layers=layers, output=next(done))
+    copied: dict = {}
+    for m in out.matrices():
+        if m.interleaved:
+            name = m.qtype.name.lower()
+            copied[name] = copied.get(name, 0) + m.data.nbytes
+    return out, copied
 
 
 _DENSE_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
