@@ -643,10 +643,12 @@ KS_VNNI_FN __m512 ks_negate_t16(__m512 x)
 }
 
 /* res[j * 16 + i] = out value of row i, token j < T (KS_VNNI_TOKENS or _WIDE); rows >= rv /
- * tokens >= tv repeat the last valid one. xs[t * nb + b] = -128 * (sum of token t's block b). */
-KS_VNNI_FN void ks_q8_tile16_vnni(const int T, const uint8_t *w, int64_t w_stride, int rv,
-                                  const int8_t *x, const float *xd, const int32_t *xs, int tv,
-                                  int nb, float *res)
+ * tokens >= tv repeat the last valid one. xs[t * nb + b] = -128 * (sum of token t's block b).
+ * il: w is an interleaved group of 16 rows (ks_weights.h; rows >= rv are its padding): a block's
+ * 16 scales and its 8 dwords of codes are each one vector as they lie. */
+KS_VNNI_FN void ks_q8_tile16_vnni(const int il, const int T, const uint8_t *w, int64_t w_stride,
+                                  int rv, const int8_t *x, const float *xd, const int32_t *xs,
+                                  int tv, int nb, float *res)
 {
     const uint8_t *wp[16];
     const int8_t *xp[KS_VNNI_TOKENS_WIDE];
@@ -659,10 +661,18 @@ KS_VNNI_FN void ks_q8_tile16_vnni(const int T, const uint8_t *w, int64_t w_strid
         acc[j] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m512i c[8];
-        ks_load_transposed_t16(wp, b * KS_QBLOCK + 2, c);
+        __m512 dw;
+        if (il) {
+            const uint8_t *blk = w + (int64_t)b * 16 * KS_QBLOCK;
+            for (int q = 0; q < 8; q++)
+                c[q] = _mm512_loadu_si512((const void *)(blk + 16 * (2 + 4 * q)));
+            dw = ks_fp16_vec_t16(blk);
+        } else {
+            ks_load_transposed_t16(wp, b * KS_QBLOCK + 2, c);
+            dw = ks_fp16_lanes_t16(wp, b * KS_QBLOCK);
+        }
         for (int q = 0; q < 8; q++)
             c[q] = _mm512_xor_si512(c[q], flip);
-        const __m512 dw = ks_fp16_lanes_t16(wp, b * KS_QBLOCK);
         for (int j = 0; j < T; j++) {
             const int8_t *xb = xp[j] + b * KS_QK;
             const __m512 isum = _mm512_cvtepi32_ps(
@@ -675,9 +685,10 @@ KS_VNNI_FN void ks_q8_tile16_vnni(const int T, const uint8_t *w, int64_t w_strid
 }
 
 /* The Q8_0 product on AVX512-VNNI CPUs (ks_weights.h's table takes it over ks_q8_matmul_rows
- * there): decode (n == 1) in 16 x 1 tiles too, which beat the 8 x 1 tile's horizontal sums
- * with the rows in cache (1.3x) and match it from memory (scripts/ab_kernels.py). */
-KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(KS_ROWS_PARAMS)
+ * there), on rows (il 0) or on 16-row interleaved groups (il 1, r0 a multiple of 16): decode
+ * (n == 1) in 16 x 1 tiles too, which beat the 8 x 1 tile's horizontal sums with the rows in
+ * cache (1.3x) and match it from memory (scripts/ab_kernels.py). */
+KS_VNNI_FN void ks_q8_matmul_rows_t16(const int il, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
     int32_t xs[tblock * nb];
@@ -690,17 +701,20 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(KS_ROWS_PARAMS)
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
             if (n == 1) {      /* decode */
-                ks_q8_tile16_vnni(1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, xs, 1, nb, res);
+                ks_q8_tile16_vnni(il, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, xs, 1,
+                                  nb, res);
                 ks_q8_store_tile(16, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
-#define KS_Q8_TILE16(TT, t, tv) ks_q8_tile16_vnni(TT, w + (int64_t)r * w_stride, w_stride, rv, \
+#define KS_Q8_TILE16(TT, t, tv) ks_q8_tile16_vnni(il, TT, w + (int64_t)r * w_stride, w_stride, rv, \
     xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res)
             KS_T16_TOKEN_TILES(KS_Q8_TILE16)
 #undef KS_Q8_TILE16
         }
     }
 }
+KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q8_matmul_rows_t16(0, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q8_matmul_rows_x16(KS_ROWS_PARAMS) { ks_q8_matmul_rows_t16(1, KS_ROWS_ARGS); }
 #endif
 
 /* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: the

@@ -89,16 +89,16 @@ def test_metadata_parse_equals_gguf_reader():
         [(t.name, t.data_offset, t.n_bytes) for t in ref.tensors]
 
 
-def _load(tmp_path, spec, weights=None, **kw):
+def _load(tmp_path, spec, weights=None, interleave=True, **kw):
     path = str(tmp_path / "m.gguf")
     write_gguf(path, spec, random_weights(spec) if weights is None else weights, **kw)
-    return path, load_model(path)
+    return path, load_model(path, interleave=interleave)
 
 
 def test_qwen3_q8_0_in_place(tmp_path):
     spec = Spec()                                     # head_dim 32 != 64/4, untied
     w = random_weights(spec)
-    path, m = _load(tmp_path, spec, w)
+    path, m = _load(tmp_path, spec, w, interleave=False)   # the interleaved copy: below
     c = m.config
     assert (c.arch, c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn) == \
         ("qwen3", 2, 64, 4, 2, 32, 96)
@@ -117,13 +117,23 @@ def test_qwen3_q8_0_in_place(tmp_path):
     np.testing.assert_array_equal(m.weights.output.data, gq.quantize(w["lm_head.weight"], T.Q8_0))
     np.testing.assert_array_equal(layer.q_norm, w["model.layers.1.self_attn.q_norm.weight"])
     np.testing.assert_array_equal(layer.k_norm, w["model.layers.1.self_attn.k_norm.weight"])
+    # by default the dense matrices are interleaved where the CPU has that product; the
+    # embedding stays in the map
+    il = load_model(path)
+    group = K.interleaves(int(T.Q8_0))
+    assert il.weights.layers[1].wq.group_rows == group and il.weights.output.group_rows == group
+    assert np.shares_memory(il.weights.tok_embd.data, il.keepalive[0].data)
+    assert il.interleaved == ({"q8_0": sum(x.data.nbytes for x in (
+        *(getattr(L, f) for L in m.weights.layers for f in ("wq", "wk", "wv", "wo", "w_gate",
+                                                           "w_up", "w_down")),
+        m.weights.output))} if group else {})
 
 
 @pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q5_1], ids=lambda q: q.name)
 def test_llama_converted_types_and_defaults(tmp_path, qtype):
     spec = Spec(arch="llama", hidden=128, head_dim=32, tied=True)   # head_dim = hidden / heads
     w = random_weights(spec)
-    path, m = _load(tmp_path, spec, w, qtype=qtype, minimal_meta=True)
+    path, m = _load(tmp_path, spec, w, interleave=False, qtype=qtype, minimal_meta=True)
     c = m.config
     assert c.head_dim == 32 and c.rope_theta == 10000.0 and c.norm_eps == pytest.approx(1e-5)
     assert c.tied_embeddings and m.weights.output is m.weights.tok_embd
@@ -215,7 +225,7 @@ def test_more_types_are_converted(tmp_path, qtype):
     spec = Spec()
     w = random_weights(spec)
     path = _good_file(tmp_path, spec=spec, weights=w, types={"blk.0.attn_v.weight": qtype})
-    m = load_model(str(path))
+    m = load_model(str(path), interleave=False)      # the rows, not their interleaved copy
     src = gq.quantize(w["model.layers.0.self_attn.v_proj.weight"], qtype)
     np.testing.assert_array_equal(m.weights.layers[0].wv.data,
                                   gq.quantize(gq.dequantize(src, qtype), T.Q8_0))

@@ -24,7 +24,7 @@ def test_qwen3_bf16(tmp_path):
     spec = Spec()                                     # head_dim 32 != 64/4, untied
     w = random_weights(spec)
     write_hf_dir(str(tmp_path), spec, w, dtype="BF16")
-    m = load_model(str(tmp_path))
+    m = load_model(str(tmp_path), interleave=False)  # the converted rows as they are
     c = m.config
     assert (c.arch, c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn, c.vocab) == \
         ("qwen3", 2, 64, 4, 2, 32, 96, 288)
@@ -49,7 +49,7 @@ def test_llama_f16_tied_sharded(tmp_path):
     spec = Spec(arch="llama", hidden=128, head_dim=32, tied=True, rope_theta=10000.0)
     w = random_weights(spec)
     write_hf_dir(str(tmp_path), spec, w, dtype="F16", shards=3)
-    m = load_model(str(tmp_path))
+    m = load_model(str(tmp_path), interleave=False)  # the converted rows as they are
     c = m.config
     assert c.arch == "llama" and c.rope_neox and not c.qk_norm and c.tied_embeddings
     assert m.weights.output is m.weights.tok_embd and m.source_dtype == "f16"

@@ -127,11 +127,13 @@ def test_ping_and_status_fields(daemon, client, meta):
     assert s["version"] == "0.1.0" and s["protocol"] == 1 and s["pid"] == daemon.pid
     assert abs(s["started_at"] - psutil.Process(daemon.pid).create_time()) < 1
     assert abs(s["started_at"] + s["uptime_s"] - now) < 1
+    interleaved = s["model"].pop("weights_interleaved_bytes")   # its bytes: test_status.py
+    assert set(interleaved) <= {"q8_0"}
     assert s["model"] == {"path": daemon.model, "arch": "llama", "name": meta["name"],
                           "n_params": meta["n_params"], "n_layers": meta["n_layers"],
                           "context_length": meta["context_length"],
                           "weights": "q8_0", "source_dtype": "q8_0", "weight_types": {"q8_0": 1.0},
-                          "weights_interleaved_bytes": {}, "file_bytes": os.path.getsize(daemon.model),
+                          "file_bytes": os.path.getsize(daemon.model),
                           "chat_template_source": "gguf", "vision": False}
     assert (s["max_seq"], s["kv_bs"], s["kv_dtype"], s["threads"]) == (512, 32, "q8", 1)
     assert s["kv_bytes_per_token_layer"] == per_token_layer == 408

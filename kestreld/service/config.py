@@ -174,9 +174,9 @@ def _parser() -> argparse.ArgumentParser:
       "model's unused experts may stay on disk)")
     a("--no-interleave", dest="interleave", action="store_const", const=False,
       help="compute every matrix in place in the file's map; by default, on x86, the dense "
-      "Q4_0 / Q4_1 / Q5_0 / Q4_K / Q5_K / Q6_K matrices are copied once at load into interleaved "
-      "groups of 16 or 8 rows (same memory: their mapped pages are released), which the "
-      "products read faster")
+      "matrices (all but the token embedding and MoE experts) are copied once at load into "
+      "interleaved groups of 16 or 8 rows (same memory: their mapped pages are released), "
+      "which the products read faster")
     a("--no-prefix-kv", dest="prefix_kv", action="store_const", const=False,
       help="never reuse the previous request's KV")
     a("--prefix-min", type=int, help="shortest common prefix reused (default 16)")
