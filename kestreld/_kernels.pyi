@@ -47,7 +47,8 @@ def interleaves(qtype: int) -> int:
     """Rows per interleaved group of the type on this CPU: 16 (AVX512-VNNI), 8 (AVX2), 0."""
 def interleave_rows(w: np.ndarray, qtype: int, cols: int) -> np.ndarray:
     """w's rows in interleaved groups of interleaves(qtype) (a new 64-byte-aligned array)."""
-def dequantize_rows(w: np.ndarray, qtype: int, ids: np.ndarray, out: np.ndarray) -> None:
+def dequantize_rows(w: np.ndarray, qtype: int, ids: np.ndarray, out: np.ndarray,
+                    interleaved: bool = False) -> None:
     """out (n, k) = rows ids (int32 (n,)) of w as float."""
 
 # ---- row and element kernels (elementwise.pxi, ks_rows.h, ks_common.h) ----------------------

@@ -25,7 +25,7 @@ cdef int _fill_matrix(ks_matrix *out, object m, Py_ssize_t rows, Py_ssize_t cols
                          f"{m.n_mat} x ({m.rows}, {m.cols})")
     if cols % ks_type_block(qtype):
         raise ValueError(f"Forward: {what} has {cols} columns, not whole blocks of {m.qtype.name}")
-    if m.group_rows and (n_mat != 1 or m.group_rows != ks_il_rows(qtype) or what == "tok_embd"):
+    if m.group_rows and (n_mat != 1 or m.group_rows != ks_il_rows(qtype)):
         raise ValueError(f"Forward: {what} ({m.qtype.name}) cannot be interleaved by "
                          f"{m.group_rows} rows here")
     rb = ks_type_row_bytes(qtype, cols)

@@ -128,11 +128,6 @@ static inline const uint8_t *ks_matrix_row(const ks_matrix *w, int e, int r)
     return w->data + (int64_t)e * w->mat_stride + (int64_t)r * w->row_stride;
 }
 
-/* Row r of matrix e as float32 (cols values); w's type is one the kernels compute on. */
-static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float *out)
-{
-    ks_type(w->type)->dequant_row(ks_matrix_row(w, e, r), out, w->cols);
-}
 
 /* ---- interleaved groups --------------------------------------------------------------------
  * A type's block is a run of fields: fp16_head 2-byte fields, then 4-byte ones (a last 2 bytes
@@ -142,19 +137,19 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
  * field's size). A field at offset o of the block thus becomes one W-lane vector at W * o (fp16
  * scales, Q5_0's high bits, dwords of codes). Rows past the matrix's end are zero. */
 
-/* Group g (W rows of nb blocks) between the rows' layout, row i at rows + i * rb (i < nrows;
- * rows past nrows are zero in il), and the interleaved one at il; back: il -> rows, else rows
- * -> il. */
+/* Rows i0 .. i1 - 1 of a group (W rows of nb blocks) between the rows' layout, row i at
+ * rows + (i - i0) * rb, and the interleaved one at il; back: il -> rows, else rows -> il (the
+ * group's other rows then zero: rows past the matrix's end). */
 static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb, uint8_t *il,
-                                       uint8_t *rows, int nrows, int back)
+                                       uint8_t *rows, int i0, int i1, int back)
 {
     const int B = t->block_bytes;
     const int64_t rb = (int64_t)nb * B;
-    if (!back && nrows < W)
+    if (!back && (i0 > 0 || i1 < W))
         memset(il, 0, (size_t)W * rb);
     for (int b = 0; b < nb; b++)
-        for (int i = 0; i < W && i < nrows; i++) {
-            uint8_t *r = rows + i * rb + (int64_t)b * B, *g = il + (int64_t)b * W * B;
+        for (int i = i0; i < i1; i++) {
+            uint8_t *r = rows + (i - i0) * rb + (int64_t)b * B, *g = il + (int64_t)b * W * B;
             int o = 0;
 #define KS_IL_FIELD(size) (back ? memcpy(r + o, g + W * o + (size) * i, size) \
                                 : memcpy(g + W * o + (size) * i, r + o, size))
@@ -187,7 +182,24 @@ static inline void ks_interleave_rows(int type, const uint8_t *src, int rows, in
     const int nb = cols / t->block, W = ks_il_rows(type);
     const int64_t gb = (int64_t)W * nb * t->block_bytes;
     for (int g = 0; g * W < rows; g++)
-        ks_interleave_group(t, W, nb, dst + g * gb, (uint8_t *)src + g * gb, rows - g * W, 0);
+        ks_interleave_group(t, W, nb, dst + g * gb, (uint8_t *)src + g * gb, 0,
+                            rows - g * W < W ? rows - g * W : W, 0);
+}
+
+/* Row r of matrix e as float32 (cols values); w's type is one the kernels compute on. A row of
+ * an interleaved matrix is put back together first (token embeddings: one row per token). */
+static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float *out)
+{
+    const ks_type_ops *t = ks_type(w->type);
+    if (!w->interleave) {
+        t->dequant_row(ks_matrix_row(w, e, r), out, w->cols);
+        return;
+    }
+    const int W = w->interleave, g = r / W * W;
+    uint8_t row[w->row_stride];
+    ks_interleave_group(t, W, w->cols / t->block, (uint8_t *)ks_matrix_row(w, e, g), row,
+                        r - g, r - g + 1, 1);
+    t->dequant_row(row, out, w->cols);
 }
 
 /* Rows [r0, r1) of out (n, rows) = matrix e of w (rows, cols) . x^T, for the n activation
@@ -225,7 +237,7 @@ static inline int ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *
     for (int r = r0; r < r1; r += W) {
         const int rv = r1 - r < W ? r1 - r : W;
         ks_interleave_group(t, W, w->cols / t->block, (uint8_t *)data + r * w->row_stride, rows,
-                            rv, 1);
+                            0, rv, 1);
         t->rows_plain(rows, w->row_stride, xq, xd, xh, n, w->cols, out + r, w->rows, 0, rv);
     }
     free(rows);

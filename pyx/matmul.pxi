@@ -134,11 +134,16 @@ def set_matmul_vnni(bint enabled):
     return bool(ks_set_vnni(enabled))
 
 
-def dequantize_rows(const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float[:, ::1] out):
+def dequantize_rows(const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float[:, ::1] out,
+                    bint interleaved=False):
     """Embedding lookup: out[i, :] = row ids[i] of the matrix w (GGML type qtype, rows of
-    k = out.shape[1] values), as float32."""
+    k = out.shape[1] values; interleaved: interleave_rows' copy of them, made on this CPU),
+    as float32."""
     cdef Py_ssize_t m = w.shape[0], n = ids.shape[0], k = out.shape[1], i
+    cdef int group = ks_il_rows(qtype) if interleaved else 0
     cdef ks_matrix W
+    if interleaved and (not group or m % group):
+        raise ValueError(f"dequantize_rows: w is not interleaved by rows of type {qtype} here")
     if not ks_type_supported(qtype):
         raise ValueError(f"dequantize_rows: weight type {qtype} is not one the kernels compute on")
     if k <= 0 or k % ks_type_block(qtype):
@@ -154,6 +159,7 @@ def dequantize_rows(const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, 
             raise ValueError(f"dequantize_rows: id {ids[i]} at {i} is outside [0, {m})")
     W.data, W.row_stride, W.mat_stride = &w[0, 0], w.shape[1], 0
     W.type, W.rows, W.cols, W.n_mat = qtype, <int32_t>m, <int32_t>k, 1
+    W.interleave = group
     with nogil:
         for i in range(n):
             ks_matrix_dequant_row(&W, 0, ids[i], &out[i, 0])

@@ -53,21 +53,26 @@ def test_smollm2_weights_match_the_file(smollm2):
     assert smollm2.weights.out_norm.dtype == np.float32
 
 
-def test_smollm2_q4_1_matrices_interleaved_where_the_cpu_has_the_product(smollm2):
+def test_smollm2_matrices_interleaved_where_the_cpu_has_the_product(smollm2):
     """By default the loader copies matrices into interleaved groups where the CPU has that
-    product (Q4_1 on AVX512-VNNI): the same rows, interleaved, the embedding left in place."""
+    product (Q4_1 on x86; the tied Q8_0 embedding, which is the output matrix, on
+    AVX512-VNNI): the same rows, interleaved, and the same embedding rows read from them."""
     il = load_model(smollm2_gguf())
-    if not K.interleaves(int(T.Q4_1)):
-        assert il.interleaved == {}
-        return
     dense = [m for L in smollm2.weights.layers for m in (L.wq, L.wk, L.wv, L.wo, L.w_gate,
                                                          L.w_up, L.w_down) if m.qtype == T.Q4_1]
-    assert il.interleaved == {"q4_1": sum(m.data.nbytes for m in dense)}
-    got = il.weights.layers[7].w_down
-    assert got.interleaved and got.data.ctypes.data % 64 == 0
-    np.testing.assert_array_equal(got.data, K.interleave_rows(smollm2.weights.layers[7].w_down.data,
-                                                              int(T.Q4_1), 1536))
-    assert il.weights.tok_embd.interleaved is False
+    embd = smollm2.weights.tok_embd
+    want = {}
+    if K.interleaves(int(T.Q4_1)):
+        want["q4_1"] = sum(m.data.nbytes for m in dense)
+        got = il.weights.layers[7].w_down
+        assert got.interleaved and got.data.ctypes.data % 64 == 0
+        np.testing.assert_array_equal(got.data, K.interleave_rows(
+            smollm2.weights.layers[7].w_down.data, int(T.Q4_1), 1536))
+    if K.interleaves(int(T.Q8_0)):
+        want["q8_0"] = embd.data.nbytes                 # 49152 rows: whole groups
+    assert il.interleaved == want
+    assert il.weights.output is il.weights.tok_embd
+    assert il.weights.tok_embd.interleaved == ("q8_0" in want)
     assert il.weights.type_shares() == smollm2.weights.type_shares()
 
 

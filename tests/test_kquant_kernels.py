@@ -70,6 +70,10 @@ def test_dequantize_rows_equals_gguf_bit_for_bit(qtype, blocks):
     want = dequantized(w, qtype)[ids]
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), \
         f"{np.sum(out.view(np.uint32) != want.view(np.uint32))} values differ"
+    if K.interleaves(int(qtype)):                  # the rows read back from interleaved groups
+        again = np.full_like(out, np.nan)
+        K.dequantize_rows(K.interleave_rows(w, int(qtype), k), int(qtype), ids, again, True)
+        assert np.array_equal(again.view(np.uint32), out.view(np.uint32))
 
 
 @pytest.mark.parametrize("n,m,k", [(1, 1, 256), (1, 67, 2048), (1, 129, 512), (1, 29, 512),

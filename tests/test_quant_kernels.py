@@ -74,6 +74,10 @@ def test_dequantize_rows_equals_gguf(qtype, source):
     np.testing.assert_array_equal(out, want[ids])
     # the same bits, not only equal values (-0.0 stays -0.0)
     assert np.array_equal(out.view(np.uint32), want[ids].astype(np.float32).view(np.uint32))
+    if K.interleaves(int(qtype)):                  # the rows read back from interleaved groups
+        again = np.full_like(out, np.nan)
+        K.dequantize_rows(K.interleave_rows(w, int(qtype), k), int(qtype), ids, again, True)
+        assert np.array_equal(again.view(np.uint32), out.view(np.uint32))
 
 
 def ref_matmul(w, qtype, xq, xd):

@@ -63,10 +63,9 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
     a qwen3vl text GGUF (the vision half of a split Qwen3-VL). `fits(config, bytes)`, called
     once the file is opened and before any weight is read: may refuse to go on when what the
     weights will take in memory (`bytes`, the vision encoder's mmproj file included) does
-    not fit. `interleave`: the matrices the CPU has an interleaved product for (Q4_0, Q4_1,
-    Q5_0 on AVX512-VNNI CPUs; not the token embedding, not MoE experts) are copied into it
-    once and their mapped pages released (`interleave_matrices`); False keeps every matrix in
-    place in the map."""
+    not fit. `interleave`: the matrices the CPU has an interleaved product for (on x86; not
+    an untied token embedding, not MoE experts) are copied into it once and their mapped
+    pages released (`interleave_matrices`); False keeps every matrix in place in the map."""
     if os.path.isdir(path):
         source, mmproj, conversion = _open_hf_cached(path, cache_dir, mmproj)
     elif os.path.exists(path):
@@ -99,12 +98,14 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
 def interleave_matrices(weights: ModelWeights, threads: int = 0) -> tuple:
     """(weights', {type name: bytes copied}): `weights` with each matrix that has an
     interleaved product on this CPU replaced by its interleaved copy (Matrix.interleave),
-    except the token embedding (read by rows) and MoE experts (only the chosen ones' pages are
-    read, in place). The pages of the map each copied matrix came from are released, so
-    resident memory does not grow (padding to whole groups aside). The copies are made on
-    `threads` threads (0: one per CPU this process may run on; the copy releases the GIL)."""
+    except an untied token embedding (only read by rows, one per token) and MoE experts (only
+    the chosen ones' pages are read, in place); a tied embedding is the output matrix, whose
+    copy then serves the row reads too. The pages of the map each copied matrix came from are
+    released, so resident memory does not grow (padding to whole groups aside). The copies
+    are made on `threads` threads (0: one per CPU this process may run on; the copy releases
+    the GIL)."""
     def place(m: Optional[Matrix]) -> Optional[Matrix]:
-        if m is None or m is weights.tok_embd:
+        if m is None:
             return m
         il = m.interleave()
         if il is not m:
@@ -115,7 +116,10 @@ def interleave_matrices(weights: ModelWeights, threads: int = 0) -> tuple:
     with ThreadPoolExecutor(threads or len(os.sched_getaffinity(0))) as pool:
         done = iter(list(pool.map(place, todo)))
     layers = [replace(L, **{f: next(done) for f in _DENSE_MATRICES}) for L in weights.layers]
-    out = replace(weights, layers=layers, output=next(done))
+    output = next(done)
+    tied = weights.output is weights.tok_embd
+    out = replace(weights, layers=layers, output=output,
+                  tok_embd=output if tied else weights.tok_embd)
     copied: dict = {}
     for m in out.matrices():
         if m.interleaved:

@@ -174,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
       "model's unused experts may stay on disk)")
     a("--no-interleave", dest="interleave", action="store_const", const=False,
       help="compute every matrix in place in the file's map; by default, on x86, the dense "
-      "matrices (all but the token embedding and MoE experts) are copied once at load into "
+      "matrices (all but an untied token embedding and MoE experts) are copied once at load into "
       "interleaved groups of 16 or 8 rows (same memory: their mapped pages are released), "
       "which the products read faster")
     a("--no-prefix-kv", dest="prefix_kv", action="store_const", const=False,
