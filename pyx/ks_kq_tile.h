@@ -46,8 +46,10 @@ KS_TFN void KS_TN(ks_kq_scales_il)(const int kind, const uint8_t *g, KS_TF ds[8]
 #pragma GCC unroll 8
     for (int s = 0; s < 8; s++) {   /* byte s % 4 of every lane's dword */
         const int sh = 8 * (s % 4);
-        ds[s] = KS_MM(mul_ps)(KS_MM(cvtepi32_ps)(KS_MMSI(and)(KS_MM(srli_epi32)(sc[s / 4], sh), byte)), d);
-        dm[s] = KS_MM(mul_ps)(KS_MM(cvtepi32_ps)(KS_MMSI(and)(KS_MM(srli_epi32)(mn[s / 4], sh), byte)), ndmin);
+        const KS_TI a = KS_MMSI(and)(KS_MM(srli_epi32)(sc[s / 4], sh), byte);
+        const KS_TI m = KS_MMSI(and)(KS_MM(srli_epi32)(mn[s / 4], sh), byte);
+        ds[s] = KS_MM(mul_ps)(KS_MM(cvtepi32_ps)(a), d);
+        dm[s] = KS_MM(mul_ps)(KS_MM(cvtepi32_ps)(m), ndmin);
     }
 }
 
@@ -62,7 +64,8 @@ KS_TFN void KS_TN(ks_q6k_codes_il)(const uint8_t *g, const int s, KS_TI codes[8]
     const KS_TI m4 = KS_MM(set1_epi8)(0x0F), m30 = KS_MM(set1_epi8)(0x30);
     for (int q = 0; q < 8; q++) {
         const KS_TI lo = KS_MMSI(and)(q4 < 2 ? ql[q] : KS_MM(srli_epi32)(ql[q], 4), m4);
-        const KS_TI hi = q4 == 0 ? KS_MM(slli_epi32)(qh[q], 4) : q4 == 1 ? KS_MM(slli_epi32)(qh[q], 2)
+        const KS_TI hi = q4 == 0 ? KS_MM(slli_epi32)(qh[q], 4)
+                       : q4 == 1 ? KS_MM(slli_epi32)(qh[q], 2)
                        : q4 == 2 ? qh[q] : KS_MM(srli_epi32)(qh[q], 2);
         codes[q] = KS_MMSI(or)(lo, KS_MMSI(and)(hi, m30));
     }

@@ -316,9 +316,12 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 #include "ks_q4_tile.h"
 #undef KS_TW
 /* the products on 8-row interleaved groups (ks_weights.h), decode included */
-static void ks_q4_0_matmul_rows_x8(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t8(KS_Q4X_Q4_0, 1, KS_ROWS_ARGS); }
-static void ks_q4_1_matmul_rows_x8(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t8(KS_Q4X_Q4_1, 1, KS_ROWS_ARGS); }
-static void ks_q5_0_matmul_rows_x8(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t8(KS_Q4X_Q5_0, 1, KS_ROWS_ARGS); }
+static void ks_q4_0_matmul_rows_x8(KS_ROWS_PARAMS)
+{ ks_q4x_matmul_rows_t8(KS_Q4X_Q4_0, 1, KS_ROWS_ARGS); }
+static void ks_q4_1_matmul_rows_x8(KS_ROWS_PARAMS)
+{ ks_q4x_matmul_rows_t8(KS_Q4X_Q4_1, 1, KS_ROWS_ARGS); }
+static void ks_q5_0_matmul_rows_x8(KS_ROWS_PARAMS)
+{ ks_q4x_matmul_rows_t8(KS_Q4X_Q5_0, 1, KS_ROWS_ARGS); }
 #if defined(KS_HAVE_VNNI)
 /* ks_q5_bits_t8 on 16 lanes */
 KS_VNNI_FN __m512i ks_q5_bits_t16(__m512i qh, const int s)
@@ -351,13 +354,19 @@ KS_VNNI_FN __m512i ks_load_lanes128_t16(const uint8_t *const p[16], int64_t off,
 /* ---- the per-type entry points (the signature and meaning of ks_q8_matmul_rows) ----------- */
 
 #if defined(KS_HAVE_VNNI)
-KS_VNNI_TARGET static void ks_q4_0_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_0, 0, KS_ROWS_ARGS); }
-KS_VNNI_TARGET static void ks_q4_1_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_1, 0, KS_ROWS_ARGS); }
-KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q5_0, 0, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q4_0_matmul_rows_vnni(KS_ROWS_PARAMS)
+{ ks_q4x_matmul_rows_t16(KS_Q4X_Q4_0, 0, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q4_1_matmul_rows_vnni(KS_ROWS_PARAMS)
+{ ks_q4x_matmul_rows_t16(KS_Q4X_Q4_1, 0, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_ROWS_PARAMS)
+{ ks_q4x_matmul_rows_t16(KS_Q4X_Q5_0, 0, KS_ROWS_ARGS); }
 /* the same on 16-row interleaved groups (ks_weights.h) */
-KS_VNNI_TARGET static void ks_q4_0_matmul_rows_x16(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_0, 1, KS_ROWS_ARGS); }
-KS_VNNI_TARGET static void ks_q4_1_matmul_rows_x16(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_1, 1, KS_ROWS_ARGS); }
-KS_VNNI_TARGET static void ks_q5_0_matmul_rows_x16(KS_ROWS_PARAMS) { ks_q4x_matmul_rows_t16(KS_Q4X_Q5_0, 1, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q4_0_matmul_rows_x16(KS_ROWS_PARAMS)
+{ ks_q4x_matmul_rows_t16(KS_Q4X_Q4_0, 1, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q4_1_matmul_rows_x16(KS_ROWS_PARAMS)
+{ ks_q4x_matmul_rows_t16(KS_Q4X_Q4_1, 1, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q5_0_matmul_rows_x16(KS_ROWS_PARAMS)
+{ ks_q4x_matmul_rows_t16(KS_Q4X_Q5_0, 1, KS_ROWS_ARGS); }
 #endif
 
 /* Same contract as the plain products (KS_PLAIN_MATMUL_ROWS). Decode (n == 1): tiles of 8 rows

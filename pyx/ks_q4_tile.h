@@ -8,8 +8,10 @@
  * need no horizontal adds. The rows' packed 16 bytes are transposed as dwords (half the work of
  * transposing 32 unpacked bytes) and the nibbles split after: dword q's low nibbles are values
  * 4q..4q+3, its high nibbles values 16+4q..16+4q+3. The codes are the unsigned q; the sums start
- * at -8 or -16 times xsum (the code offset), so they are isum. The float side is the per-block
- * fma of ks_q4.h's contract, in order: bit-identical to the plain twin at both widths. */
+ * at -8 or -16 times xsum (the code offset), so they are isum. On an interleaved group (il,
+ * ks_weights.h) those dwords, the scales and Q5_0's high bits are each one vector as they lie,
+ * and the transpose goes. The float side is the per-block fma of ks_q4.h's contract, in order:
+ * bit-identical to the plain twin at both widths and on both layouts. */
 
 /* The unsigned codes c of a block of KS_TW rows from its packed bytes as dwords (d[q] lane i =
  * row i's packed bytes 4q..4q+3) and, Q5_0, its rows' high bits (qh lane i = row i's qh): c[q]
@@ -71,9 +73,9 @@ KS_TFN void KS_TN(ks_q4x_codes_il)(const int f, const uint8_t *blk, const int Q,
  * its padding), not rows w_stride apart. xs: the tile's first token's block sums, nb per
  * token. pf (or NULL): block b prefetches the pf_step bytes at pf + b * pf_step. */
 KS_TFN void KS_TN(ks_q4x_tile)(const int f, const int il, const int T, const uint8_t *w,
-                               int64_t w_stride,
-                               int rv, const int8_t *x, const float *xd, const int32_t *xs,
-                               int tv, int nb, float *res, const uint8_t *pf, int64_t pf_step)
+                               int64_t w_stride, int rv, const int8_t *x, const float *xd,
+                               const int32_t *xs, int tv, int nb, float *res, const uint8_t *pf,
+                               int64_t pf_step)
 {
     const int B = ks_q4x_block_bytes(f), Q = ks_q4x_qs_offset(f);
     const uint8_t *wp[KS_TW];

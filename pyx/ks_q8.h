@@ -713,8 +713,10 @@ KS_VNNI_FN void ks_q8_matmul_rows_t16(const int il, KS_ROWS_PARAMS)
         }
     }
 }
-KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(KS_ROWS_PARAMS) { ks_q8_matmul_rows_t16(0, KS_ROWS_ARGS); }
-KS_VNNI_TARGET static void ks_q8_matmul_rows_x16(KS_ROWS_PARAMS) { ks_q8_matmul_rows_t16(1, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q8_matmul_rows_vnni(KS_ROWS_PARAMS)
+{ ks_q8_matmul_rows_t16(0, KS_ROWS_ARGS); }
+KS_VNNI_TARGET static void ks_q8_matmul_rows_x16(KS_ROWS_PARAMS)
+{ ks_q8_matmul_rows_t16(1, KS_ROWS_ARGS); }
 #endif
 
 /* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: the
