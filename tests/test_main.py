@@ -8,7 +8,7 @@ import pytest
 from daemon import daemon_env, model_path
 from kestreld.errors import InsufficientMemory
 from kestreld.service.config import Config
-from kestreld.service.main import memory_check
+from kestreld.service.main import memory_check, placement_line
 from kestreld.model.config import ModelConfig
 
 
@@ -37,3 +37,13 @@ def test_the_check_counts_weights_and_arena():
     with pytest.raises(InsufficientMemory, match="weights 0 MiB \\+ KV arena 462 MiB"):
         fits(c, 1001)
     memory_check(Config(max_seq=8192, memory_check=False), "m.gguf", available=0)(c, 10**12)
+
+
+def test_the_start_up_line_says_where_the_weights_are():
+    from types import SimpleNamespace
+    line = placement_line(SimpleNamespace(conversion=None, interleaved={}))
+    assert line == "in place from the file's map"
+    line = placement_line(SimpleNamespace(conversion=None,
+                                          interleaved={"q4_k": 677_117_952, "q6_k": 168_591_360}))
+    assert line == ("in place from the file's map; q4_k 677 MB, q6_k 169 MB interleaved "
+                    "(--no-interleave keeps them in the map)")
