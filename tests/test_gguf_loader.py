@@ -70,7 +70,7 @@ def test_smollm2_matrices_interleaved_where_the_cpu_has_the_product(smollm2):
             smollm2.weights.layers[7].w_down.data, int(T.Q4_1), 1536))
     if K.interleaves(int(T.Q8_0)):
         want["q8_0"] = embd.data.nbytes                 # 49152 rows: whole groups
-    assert il.interleaved == want
+    assert il.weights.interleaved_bytes() == want
     assert il.weights.output is il.weights.tok_embd
     assert il.weights.tok_embd.interleaved == ("q8_0" in want)
     assert il.weights.type_shares() == smollm2.weights.type_shares()
@@ -128,7 +128,7 @@ def test_qwen3_q8_0_in_place(tmp_path):
     group = K.interleaves(int(T.Q8_0))
     assert il.weights.layers[1].wq.group_rows == group and il.weights.output.group_rows == group
     assert np.shares_memory(il.weights.tok_embd.data, il.keepalive[0].data)
-    assert il.interleaved == ({"q8_0": sum(x.data.nbytes for x in (
+    assert il.weights.interleaved_bytes() == ({"q8_0": sum(x.data.nbytes for x in (
         *(getattr(L, f) for L in m.weights.layers for f in ("wq", "wk", "wv", "wo", "w_gate",
                                                            "w_up", "w_down")),
         m.weights.output))} if group else {})

@@ -202,8 +202,8 @@ def test_model_on_k_quants_matches_the_reference(kind):
         again, again_routes = _logits(model, ids, chunk, threads)
         assert np.array_equal(again, got) and np.array_equal(again_routes, routes), chunk
     # the dense matrices interleaved, where the CPU has that product: the same bits
-    il_weights, copied = interleave_matrices(model.weights)
-    assert bool(copied) == bool(K.interleaves(int(QT.Q4_K)))
+    il_weights = interleave_matrices(model.weights)
+    assert bool(il_weights.interleaved_bytes()) == bool(K.interleaves(int(QT.Q4_K)))
     for chunk in (256, 1):
         again, again_routes = _logits(SimpleNamespace(config=model.config, weights=il_weights),
                                       ids[:64], chunk, 2)

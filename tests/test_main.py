@@ -41,9 +41,11 @@ def test_the_check_counts_weights_and_arena():
 
 def test_the_start_up_line_says_where_the_weights_are():
     from types import SimpleNamespace
-    line = placement_line(SimpleNamespace(conversion=None, interleaved={}))
+    def model(copies):
+        return SimpleNamespace(conversion=None,
+                               weights=SimpleNamespace(interleaved_bytes=lambda: copies))
+    line = placement_line(model({}))
     assert line == "in place from the file's map"
-    line = placement_line(SimpleNamespace(conversion=None,
-                                          interleaved={"q4_k": 677_117_952, "q6_k": 168_591_360}))
+    line = placement_line(model({"q4_k": 677_117_952, "q6_k": 168_591_360}))
     assert line == ("in place from the file's map; q4_k 677 MB, q6_k 169 MB interleaved "
                     "(--no-interleave keeps them in the map)")

@@ -182,8 +182,8 @@ def test_model_in_the_type_matches_the_reference(models, qtype, name):
 
     # the dense matrices interleaved (where the CPU has that product) or in the map: same bits
     in_map = load_model(str(m.gguf[qtype.name.lower()]), interleave=False)
-    assert in_map.interleaved == {}
-    assert bool(loaded.interleaved) == bool(K.interleaves(int(qtype)))
+    assert in_map.weights.interleaved_bytes() == {}
+    assert bool(loaded.weights.interleaved_bytes()) == bool(K.interleaves(int(qtype)))
     flat = _engine(in_map, n, 256).forward_logits(ids, 0)
     assert np.array_equal(flat.view(np.uint32), got.view(np.uint32))
 

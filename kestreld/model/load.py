@@ -45,8 +45,6 @@ class LoadedModel:
     mmproj: Optional[str] = None     # the vision projector GGUF the encoder came from, if any
     conversion: Optional[str] = None  # None: every matrix in place from the map; else how
                                       # matrices the kernels do not compute on were converted
-    interleaved: dict = field(default_factory=dict)  # type -> bytes of its matrices copied
-                                                     # into interleaved groups at load
 
 
 def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str] = None,
@@ -75,9 +73,9 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
     check_shapes(source.config, path)
     if fits is not None:
         fits(source.config, source.resident_bytes() + (os.path.getsize(mmproj) if mmproj else 0))
-    weights, interleaved = _assemble(source, source.config), {}
+    weights = _assemble(source, source.config)
     if interleave:
-        weights, interleaved = interleave_matrices(weights)
+        weights = interleave_matrices(weights)
     return LoadedModel(
         path=path,
         config=source.config,
@@ -91,12 +89,11 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
         vision=_vision(source, path, mmproj),
         mmproj=mmproj,
         conversion=conversion,
-        interleaved=interleaved,
     )
 
 
-def interleave_matrices(weights: ModelWeights, threads: int = 0) -> tuple:
-    """(weights', {type name: bytes copied}): `weights` with each matrix that has an
+def interleave_matrices(weights: ModelWeights, threads: int = 0) -> ModelWeights:
+    """`weights` with each matrix that has an
     interleaved product on this CPU replaced by its interleaved copy (Matrix.interleave),
     except an untied token embedding (only read by rows, one per token) and MoE experts (only
     the chosen ones' pages are read, in place); a tied embedding is the output matrix, whose
@@ -118,14 +115,8 @@ def interleave_matrices(weights: ModelWeights, threads: int = 0) -> tuple:
     layers = [replace(L, **{f: next(done) for f in _DENSE_MATRICES}) for L in weights.layers]
     output = next(done)
     tied = weights.output is weights.tok_embd
-    out = replace(weights, layers=layers, output=output,
-                  tok_embd=output if tied else weights.tok_embd)
-    copied: dict = {}
-    for m in out.matrices():
-        if m.interleaved:
-            name = m.qtype.name.lower()
-            copied[name] = copied.get(name, 0) + m.data.nbytes
-    return out, copied
+    return replace(weights, layers=layers, output=output,
+                   tok_embd=output if tied else weights.tok_embd)
 
 
 _DENSE_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")

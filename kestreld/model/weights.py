@@ -145,6 +145,16 @@ class ModelWeights:
         total = sum(counts.values())
         return {t: round(n / total, 6) for t, n in sorted(counts.items(), key=lambda kv: -kv[1])}
 
+    def interleaved_bytes(self) -> dict:
+        """Bytes of the interleaved copies (Matrix.interleave) by type name, e.g.
+        {"q4_k": 677117952}; {} when every matrix is used as the file lays it out."""
+        out: dict = {}
+        for m in self.matrices():
+            if m.interleaved:
+                name = m.qtype.name.lower()
+                out[name] = out.get(name, 0) + m.data.nbytes
+        return out
+
     def main_type(self) -> str:
         """The type holding the most matrix parameters, e.g. "q4_k"."""
         return next(iter(self.type_shares()))

@@ -132,8 +132,9 @@ def placement_line(model) -> str:
     were copied into interleaved groups, e.g. "in place from the file's map; q5_0 54 MB
     interleaved"."""
     line = model.conversion or "in place from the file's map"
-    if model.interleaved:
-        line += "; " + ", ".join(f"{t} {n / 1e6:,.0f} MB" for t, n in model.interleaved.items())
+    copies = model.weights.interleaved_bytes()
+    if copies:
+        line += "; " + ", ".join(f"{t} {n / 1e6:,.0f} MB" for t, n in copies.items())
         line += " interleaved (--no-interleave keeps them in the map)"
     return line
 

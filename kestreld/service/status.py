@@ -48,7 +48,7 @@ class StatusReporter:
             "context_length": model.config.context_length,
             "weights": model.weights.main_type(), "source_dtype": model.source_dtype,
             "weight_types": model.weights.type_shares(),
-            "weights_interleaved_bytes": dict(model.interleaved),
+            "weights_interleaved_bytes": model.weights.interleaved_bytes(),
             "file_bytes": path_bytes(model.path),
             "chat_template_source": model.chat_template_source or CHATML_FALLBACK,
             "vision": model.vision is not None,
