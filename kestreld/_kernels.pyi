@@ -44,7 +44,8 @@ def matmul_plain(w: np.ndarray, qtype: int, xq: np.ndarray, xd: np.ndarray, out:
                  nthreads: int, interleaved: bool = False) -> None: ...
 def set_matmul_vnni(enabled: bool) -> bool: ...
 def interleaves(qtype: int) -> int:
-    """Rows per interleaved group of the type on this CPU: 16 (AVX512-VNNI), 8 (AVX2), 0."""
+    """Rows per interleaved group of the type on this CPU: 16 (AVX512-VNNI), 8 (AVX2), 4 (NEON
+    with sdot), 0."""
 def interleave_rows(w: np.ndarray, qtype: int, cols: int) -> np.ndarray:
     """w's rows in interleaved groups of interleaves(qtype) (a new 64-byte-aligned array)."""
 def dequantize_rows(w: np.ndarray, qtype: int, ids: np.ndarray, out: np.ndarray,

@@ -291,11 +291,30 @@ KS_INLINE ks_f8 ks_q6k_lane_scales(const int R, const uint8_t *const wp[8], int6
                                           h[5 % R], h[6 % R], h[7 % R]));
 }
 #else
-KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_t off,
-                                 ks_f8 ds[8], ks_f8 dm[8])
+/* ds[s] = d * sc[s], dm[s] = ndmin * m[s] (s = 0..7) for 4 lanes, from each lane's d, -dmin
+ * and the dwords 0-2 of its 12 scale bytes (r[k] lane l: dword k of lane l's row), by
+ * ks_kq_scales_mins's bit operations on all the lanes at once. NEON's rows (below) and its
+ * interleaved groups (ks_il4_neon.h) share it. */
+KS_INLINE void ks_kq_unpack_scales_neon(float32x4_t d, float32x4_t ndmin, const uint32x4_t r[3],
+                                        float32x4_t ds[8], float32x4_t dm[8])
 {
     const uint32x4_t m6 = vdupq_n_u32(0x3f3f3f3fu), m4 = vdupq_n_u32(0x0f0f0f0fu);
     const uint32x4_t m30 = vdupq_n_u32(0x30303030u), byte = vdupq_n_u32(0xff);
+    const uint32x4_t sc[2] = {vandq_u32(r[0], m6),
+                              vorrq_u32(vandq_u32(r[2], m4), vandq_u32(vshrq_n_u32(r[0], 2), m30))};
+    const uint32x4_t mn[2] = {vandq_u32(r[1], m6),
+                              vorrq_u32(vandq_u32(vshrq_n_u32(r[2], 4), m4),
+                                        vandq_u32(vshrq_n_u32(r[1], 2), m30))};
+    for (int s = 0; s < 8; s++) {
+        const int32x4_t sh = vdupq_n_s32(-8 * (s % 4));    /* a negative count shifts right */
+        ds[s] = vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(sc[s / 4], sh), byte)), d);
+        dm[s] = vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(mn[s / 4], sh), byte)), ndmin);
+    }
+}
+
+KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_t off,
+                                 ks_f8 ds[8], ks_f8 dm[8])
+{
     for (int h = 0; h < 2; h++) {    /* lanes 4h .. 4h + 3: rows (4h + k) % R */
         uint32x4_t v[4];
         for (int k = 0; k < 4; k++)
@@ -305,20 +324,16 @@ KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_
         const uint64x2_t t2 = vreinterpretq_u64_u32(vtrn1q_u32(v[2], v[3]));
         const uint64x2_t t3 = vreinterpretq_u64_u32(vtrn2q_u32(v[2], v[3]));
         const uint32x4_t r0 = vreinterpretq_u32_u64(vtrn1q_u64(t0, t2));   /* dword 0 of each */
-        const uint32x4_t r1 = vreinterpretq_u32_u64(vtrn1q_u64(t1, t3));
-        const uint32x4_t r2 = vreinterpretq_u32_u64(vtrn2q_u64(t0, t2));
-        const uint32x4_t r3 = vreinterpretq_u32_u64(vtrn2q_u64(t1, t3));
-        const uint32x4_t sc[2] = {vandq_u32(r1, m6),
-                                  vorrq_u32(vandq_u32(r3, m4), vandq_u32(vshrq_n_u32(r1, 2), m30))};
-        const uint32x4_t mn[2] = {vandq_u32(r2, m6),
-                                  vorrq_u32(vandq_u32(vshrq_n_u32(r3, 4), m4),
-                                            vandq_u32(vshrq_n_u32(r2, 2), m30))};
+        const uint32x4_t r[3] = {vreinterpretq_u32_u64(vtrn1q_u64(t1, t3)),
+                                 vreinterpretq_u32_u64(vtrn2q_u64(t0, t2)),
+                                 vreinterpretq_u32_u64(vtrn2q_u64(t1, t3))};
         const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u16(vmovn_u32(r0)));
         const float32x4_t ndmin = vnegq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vshrn_n_u32(r0, 16))));
+        float32x4_t hs[8], hm[8];
+        ks_kq_unpack_scales_neon(d, ndmin, r, hs, hm);
         for (int s = 0; s < 8; s++) {
-            const int32x4_t sh = vdupq_n_s32(-8 * (s % 4));    /* a negative count shifts right */
-            ds[s].val[h] = vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(sc[s / 4], sh), byte)), d);
-            dm[s].val[h] = vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(mn[s / 4], sh), byte)), ndmin);
+            ds[s].val[h] = hs[s];
+            dm[s].val[h] = hm[s];
         }
     }
 }

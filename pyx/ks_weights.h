@@ -1,10 +1,11 @@
 /* Kestrel kernels: the weight ABI, how the C side sees a model's weights (no Python here).
  *
  * Every weight matrix is a ks_matrix: its GGML quant type, its shape, its row stride and a
- * pointer to its first byte, usually inside the model file's memory map. On x86 the loader may
+ * pointer to its first byte, usually inside the model file's memory map. The loader may
  * interleave a matrix instead (ks_interleave_rows, below): a copy whose groups of as many rows
- * as the CPU's tiles take (16 with AVX512-VNNI, else 8) lay each block field of those rows
- * side by side, so the tiles load them as vectors rather than gather them from the rows.
+ * as the CPU's tiles take (16 with AVX512-VNNI, 8 with AVX2, 4 on aarch64 with sdot) lay each
+ * block field of those rows side by side, so the tiles load them as vectors rather than gather
+ * them from the rows.
  * Matrices of different types stand side by side in one model (a Q4_K_M file mixes four), and
  * a stack of MoE experts is one ks_matrix with n_mat > 1. A layer is a ks_layer of matrices and norm
  * vectors; the model is a ks_model. kestreld/model/weights.py is the Python side (Matrix,
@@ -32,6 +33,7 @@
 #include "ks_q8.h"
 #include "ks_q4.h"
 #include "ks_kquants.h"
+#include "ks_il4_neon.h"
 
 /* GGML's type ids (ggml.h), so a GGUF tensor's type needs no translation. */
 enum {
@@ -63,29 +65,30 @@ typedef void (*ks_dequant_fn)(const uint8_t *row, float *out, int k);
 /* What a weight type is and, for the types the kernels compute on, its kernels: the build's
  * product (AVX2, NEON or plain C), its plain C twin, the AVX512-VNNI product that
  * ks_matrix_rows takes instead on CPUs that have it (NULL where the build has none), and the
- * products on 8-row (AVX2) and 16-row (AVX512-VNNI) interleaved groups (NULL: none). */
+ * products on 4-row (NEON with sdot), 8-row (AVX2) and 16-row (AVX512-VNNI) interleaved
+ * groups (NULL: none). */
 typedef struct {
     int type, block, block_bytes;     /* values and bytes per block (GGML's layouts) */
     int fp16_head;                    /* 2-byte fields (fp16 scales) at the block's start, before
                                          4-byte fields (ks_interleave_group) */
     ks_dequant_fn dequant_row;        /* NULL: the kernels do not compute on it */
-    ks_rows_fn rows, rows_plain, rows_vnni, rows_il8, rows_il16;
+    ks_rows_fn rows, rows_plain, rows_vnni, rows_il4, rows_il8, rows_il16;
 } ks_type_ops;
 
 /* a type's products, by the stem of their names (ks_<stem>_matmul_rows...) */
 #define KS_ROWS_FNS(stem) ks_##stem##_matmul_rows, ks_##stem##_matmul_rows_plain, \
     KS_VNNI_ROWS(ks_##stem##_matmul_rows_vnni)
 /* ... and its products on interleaved groups */
-#define KS_IL_FNS(stem) KS_AVX2_ROWS(ks_##stem##_matmul_rows_x8), \
-    KS_VNNI_ROWS(ks_##stem##_matmul_rows_x16)
+#define KS_IL_FNS(stem) KS_NEON_IL_ROWS(ks_##stem##_matmul_rows_x4), \
+    KS_AVX2_ROWS(ks_##stem##_matmul_rows_x8), KS_VNNI_ROWS(ks_##stem##_matmul_rows_x16)
 
 static const ks_type_ops ks_types[] = {
-    {KS_TYPE_F32, 1, 4, 0, NULL, NULL, NULL, NULL, NULL, NULL},  /* MoE routers: float dots */
+    {KS_TYPE_F32, 1, 4, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL},  /* MoE routers: float dots */
     {KS_TYPE_Q4_0, 32, 18, 1, ks_q4_0_dequant_row, KS_ROWS_FNS(q4_0), KS_IL_FNS(q4_0)},
     {KS_TYPE_Q4_1, 32, 20, 2, ks_q4_1_dequant_row, KS_ROWS_FNS(q4_1), KS_IL_FNS(q4_1)},
     {KS_TYPE_Q5_0, 32, 22, 1, ks_q5_0_dequant_row, KS_ROWS_FNS(q5_0), KS_IL_FNS(q5_0)},
-    {KS_TYPE_Q8_0, 32, KS_QBLOCK, 1, ks_dequantize_row_q8_0, KS_ROWS_FNS(q8), NULL,
-     KS_VNNI_ROWS(ks_q8_matmul_rows_x16)},
+    {KS_TYPE_Q8_0, 32, KS_QBLOCK, 1, ks_dequantize_row_q8_0, KS_ROWS_FNS(q8),
+     KS_NEON_IL_ROWS(ks_q8_matmul_rows_x4), NULL, KS_VNNI_ROWS(ks_q8_matmul_rows_x16)},
     {KS_TYPE_Q4_K, 256, 144, 2, ks_q4k_dequant_row, KS_ROWS_FNS(q4k), KS_IL_FNS(q4k)},
     {KS_TYPE_Q5_K, 256, 176, 2, ks_q5k_dequant_row, KS_ROWS_FNS(q5k), KS_IL_FNS(q5k)},
     {KS_TYPE_Q6_K, 256, 210, 0, ks_q6k_dequant_row, KS_ROWS_FNS(q6k), KS_IL_FNS(q6k)},
@@ -164,13 +167,15 @@ static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb
 }
 
 /* The rows per group in which matrices of this type are interleaved on this CPU: 16 where
- * the AVX512-VNNI product on such groups runs, 8 where the AVX2 one does, 0 if none. */
+ * the AVX512-VNNI product on such groups runs, 8 where the AVX2 one does, 4 where the NEON
+ * dotprod one does, 0 if none. */
 static inline int ks_il_rows(int type)
 {
     const ks_type_ops *t = ks_type(type);
     if (t == NULL)
         return 0;
-    return t->rows_il16 != NULL && ks_use_vnni() ? 16 : t->rows_il8 != NULL ? 8 : 0;
+    return t->rows_il16 != NULL && ks_use_vnni() ? 16 : t->rows_il8 != NULL ? 8
+           : t->rows_il4 != NULL ? 4 : 0;
 }
 
 /* dst := src (rows x cols of type `type`, rows as GGUF lays them out) interleaved by
@@ -212,7 +217,7 @@ static inline void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, c
 {
     const ks_type_ops *t = ks_type(w->type);
     (w->interleave == 16 ? t->rows_il16 : w->interleave == 8 ? t->rows_il8
-     : t->rows_vnni && ks_use_vnni() ? t->rows_vnni : t->rows)(
+     : w->interleave == 4 ? t->rows_il4 : t->rows_vnni && ks_use_vnni() ? t->rows_vnni : t->rows)(
         w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, xh, n, w->cols, out,
         w->rows, r0, r1);
 }

@@ -102,7 +102,7 @@ def matmul_plain(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
 def interleaves(int qtype):
     """The rows per group in which matrices of GGML type qtype are interleaved on this CPU
     (ks_weights.h): 16 where the AVX512-VNNI product on such groups runs, 8 where the AVX2
-    one does, 0 if there is none."""
+    one does, 4 where the NEON dotprod one does, 0 if there is none."""
     return ks_il_rows(qtype)
 
 

@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf import quants as gq
 
-import kestreld._kernels as K
+from kestreld.kernels import K
 from kestreld.model.gguf_file import open_gguf
 from kestreld.model.load import load_model
 from kestreld.model.quant import dequantize_q8_0

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-import kestreld._kernels as K
+from kestreld.kernels import K
 import kquant_blocks
 import modelgen
 import modelgen_moe
@@ -55,6 +55,7 @@ def test_the_kernels_compute_on_every_k_type():
     assert set(int(t) for t in K_TYPES) <= set(K.compute_types())
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("blocks", ["quantized", "random", "edge-cases"])
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
 def test_dequantize_rows_equals_gguf_bit_for_bit(qtype, blocks):
@@ -76,6 +77,7 @@ def test_dequantize_rows_equals_gguf_bit_for_bit(qtype, blocks):
         assert np.array_equal(again.view(np.uint32), out.view(np.uint32))
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("n,m,k", [(1, 1, 256), (1, 67, 2048), (1, 129, 512), (1, 29, 512),
                                    (2, 9, 256), (3, 33, 768), (5, 130, 256), (7, 45, 256),
                                    (33, 20, 512), (67, 65, 1024)])
@@ -190,6 +192,7 @@ def _logits(model, ids, chunk: int, nthreads: int):
     return out, routing
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_model_on_k_quants_matches_the_reference(kind):
     model, hf_cfg, floats, held = _model(kind)

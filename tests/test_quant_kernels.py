@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-import kestreld._kernels as K
+from kestreld.kernels import K
 import modelgen
 import modelgen_moe
 import reference
@@ -60,6 +60,7 @@ def test_every_type_the_kernels_compute_on_is_tested():
     assert {QT(t) for t in K.compute_types()} == set(TYPES) | set(kquant_blocks.K_TYPES)
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("source", list(BLOCK_SOURCES))
 @pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
 def test_dequantize_rows_equals_gguf(qtype, source):
@@ -95,6 +96,7 @@ def ref_matmul(w, qtype, xq, xd):
     return x @ wf.T, np.abs(x) @ (np.abs(wf) + 2 * offset).T
 
 
+@pytest.mark.arm64
 @pytest.mark.parametrize("n,m,k", [(1, 1, 32), (1, 67, 2048), (1, 129, 256), (3, 33, 64),
                                    (3, 5, 1024), (67, 65, 512), (67, 9, 2048), (2, 130, 96),
                                    (33, 17, 160), (5, 45, 256)])
@@ -188,11 +190,12 @@ def test_model_in_the_type_matches_the_reference(models, qtype, name):
     assert np.array_equal(flat.view(np.uint32), got.view(np.uint32))
 
 
-def test_every_type_is_interleaved_as_wide_as_the_x86_tiles(vnni):
+@pytest.mark.arm64
+def test_every_type_is_interleaved_as_wide_as_the_tiles(vnni):
     """Groups of 16 rows for the AVX512-VNNI tiles, 8 for the AVX2 ones (Q8_0: none, its AVX2
-    tiles keep rows), none on other CPUs (ks_weights.h)."""
+    tiles keep rows), 4 for NEON's with sdot, none on other CPUs (ks_weights.h)."""
     every = set(TYPES) | set(kquant_blocks.K_TYPES)
-    group = 16 if vnni else 8 if K.simd_path() == "avx2" else 0
+    group = 16 if vnni else {"avx2": 8, "neon-dotprod": 4}.get(K.simd_path(), 0)
     assert {t: K.interleaves(int(t)) for t in every} == \
         {t: 0 if t == QT.Q8_0 and group == 8 else group for t in every}
 

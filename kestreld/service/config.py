@@ -173,10 +173,10 @@ def _parser() -> argparse.ArgumentParser:
       help="start even if the weights and the KV arena exceed the memory available (an MoE "
       "model's unused experts may stay on disk)")
     a("--no-interleave", dest="interleave", action="store_const", const=False,
-      help="compute every matrix in place in the file's map; by default, on x86, the dense "
-      "matrices (all but an untied token embedding and MoE experts) are copied once at load into "
-      "interleaved groups of 16 or 8 rows (same memory: their mapped pages are released), "
-      "which the products read faster")
+      help="compute every matrix in place in the file's map; by default the dense matrices "
+      "(all but an untied token embedding and MoE experts) are copied once at load into "
+      "interleaved groups of 16, 8 or 4 rows, as wide as the CPU's tiles (same memory: their "
+      "mapped pages are released), which the products read faster")
     a("--no-prefix-kv", dest="prefix_kv", action="store_const", const=False,
       help="never reuse the previous request's KV")
     a("--prefix-min", type=int, help="shortest common prefix reused (default 16)")
