@@ -3,7 +3,12 @@
 - decode (n = 1): weight GB/s over three matrices of --decode-gb in all (larger than the
   caches), one after the other, as a decode step reads its layers' matrices;
 - prefill (n = 64): GMAC/s on a 4096 x 4096 matrix, with the AVX512-VNNI path on and off
-  (the same where the CPU has none).
+  (the same where the CPU has none);
+
+each on the rows as a GGUF file lays them out and, where this CPU has that product, on their
+copy interleaved as the loader makes it (ks_weights.h; 16, 8 or 4 rows a group), with the
+ratio interleaved / rows: on a new CPU (an RK3588's A76 cores) it says whether
+`--no-interleave` should be the default there.
 
 Random codes and scales (speed does not depend on the values). Best and median of --reps.
 Run it on a quiet machine, at the highest priority the shell allows, e.g.
@@ -44,6 +49,16 @@ def timed(f, reps):
     return min(ts), statistics.median(ts)
 
 
+def layouts(qt, mats, k):
+    """(name, matrices, interleaved) of the rows as the file has them and, where this CPU has
+    an interleaved product for the type, of their interleaved copies (made on the spot: the
+    VNNI switch decides their width)."""
+    yield "rows", mats, False
+    group = K.interleaves(int(qt))
+    if group:
+        yield f"interleaved x{group}", [K.interleave_rows(w, int(qt), k) for w in mats], True
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decode-gb", type=float, default=1.6, help="weight bytes of the decode case")
@@ -57,10 +72,12 @@ def main():
         rows = int(args.decode_gb * 1e9 / 3 / (k // block * size)) // 8 * 8
         mats = [random_blocks(rng, qt, rows, k) for _ in range(3)]
         out = np.empty((1, rows), np.float32)
-        best, med = timed(lambda: [K.matmul(w, int(qt), xq, xd, out, 1) for w in mats], args.reps)
         gb = sum(w.nbytes for w in mats) / 1e9
-        print(f"decode  {qt.name:5} {gb / best:6.2f} GB/s best, {gb / med:6.2f} median "
-              f"({3 * rows * k / best / 1e9:.2f} GMAC/s)", flush=True)
+        for layout, ws, il in layouts(qt, mats, k):
+            best, med = timed(lambda: [K.matmul(w, int(qt), xq, xd, out, 1, il) for w in ws],
+                              args.reps)
+            print(f"decode  {qt.name:5} {layout:16} {gb / best:6.2f} GB/s best, {gb / med:6.2f} "
+                  f"median ({3 * rows * k / best / 1e9:.2f} GMAC/s)", flush=True)
         mats.clear()    # free them before the next type's
     m = k = 4096
     n = 64
@@ -70,9 +87,11 @@ def main():
         w = random_blocks(rng, qt, m, k)
         for vnni in (True, False):
             on = K.set_matmul_vnni(vnni)
-            best, med = timed(lambda: K.matmul(w, int(qt), xq, xd, out, 1), args.reps)
-            print(f"prefill {qt.name:5} n={n} {'vnni' if on else 'simd'}: {m * k * n / best / 1e9:6.2f} "
-                  f"GMAC/s best, {m * k * n / med / 1e9:6.2f} median", flush=True)
+            for layout, (wl,), il in layouts(qt, [w], k):
+                best, med = timed(lambda: K.matmul(wl, int(qt), xq, xd, out, 1, il), args.reps)
+                print(f"prefill {qt.name:5} n={n} {'vnni' if on else 'simd'} {layout:16} "
+                      f"{m * k * n / best / 1e9:6.2f} GMAC/s best, {m * k * n / med / 1e9:6.2f} "
+                      f"median", flush=True)
     K.set_matmul_vnni(True)
 
 
