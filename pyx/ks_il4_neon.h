@@ -178,28 +178,31 @@ KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, con
         acc[j] = vdupq_n_f32(0.0f);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *sbk = g + (int64_t)sb * 4 * bytes;
-        float32x4_t ds[8], dm[8];    /* Q6_K: d in ds[0] for every block */
-        if (kind == KS_KQ_Q6K) {
-            ds[0] = ks_il4_fp16(sbk + 4 * 208);
-        } else {
+        /* Q4_K / Q5_K: the packed scales and mins, made into each block's floats as it comes
+         * (16 vectors held through the superblock would spill); Q6_K: d in d for all blocks */
+        uint32x4_t sc[2], mn[2];
+        const float32x4_t d = ks_il4_fp16(sbk + 4 * (kind == KS_KQ_Q6K ? 208 : 0));
+        const float32x4_t ndmin = kind == KS_KQ_Q6K ? d : vnegq_f32(ks_il4_fp16(sbk + 4 * 2));
+        if (kind != KS_KQ_Q6K) {
             const uint32x4_t r[3] = {vld1q_u32((const uint32_t *)(sbk + 4 * 4)),
                                      vld1q_u32((const uint32_t *)(sbk + 4 * 8)),
                                      vld1q_u32((const uint32_t *)(sbk + 4 * 12))};
-            ks_kq_unpack_scales_neon(ks_il4_fp16(sbk), vnegq_f32(ks_il4_fp16(sbk + 4 * 2)), r,
-                                     ds, dm);
+            ks_kq_scale_words_neon(r, sc, mn);
         }
         /* unrolled: each block's offsets and shifts become constants */
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
             const int b = sb * 8 + s;
             int8x16_t c[8];
-            int32x4_t sa = vdupq_n_s32(0), sc = vdupq_n_s32(0);
+            int32x4_t sc_lo = vdupq_n_s32(0), sc_hi = vdupq_n_s32(0);
             if (pf)
                 ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8,
                                  ks_kq_prefetch_l2(kind, 4));
             ks_kq_codes_il4(kind, sbk, s, c);
+            const float32x4_t ds = kind == KS_KQ_Q6K ? d : ks_kq_scale_neon(sc, s, d);
+            const float32x4_t dm = kind == KS_KQ_Q6K ? d : ks_kq_scale_neon(mn, s, ndmin);
             if (kind == KS_KQ_Q6K)
-                ks_q6k_scales_il4(sbk, s, &sa, &sc);
+                ks_q6k_scales_il4(sbk, s, &sc_lo, &sc_hi);
             for (int j = 0; j < T; j++) {
                 const int8_t *xb = P.x[j] + b * KS_QK;
                 const float dx = P.xd[j][b];
@@ -207,12 +210,12 @@ KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, con
                     /* sc[2s] * (the sum over values 0..15) + sc[2s+1] * (over 16..31) */
                     const int32x4_t lo = ks_il4_dot16(vdupq_n_s32(0), c, vld1q_s8(xb));
                     const int32x4_t hi = ks_il4_dot16(vdupq_n_s32(0), c + 4, vld1q_s8(xb + 16));
-                    const int32x4_t isum = vmlaq_s32(vmulq_s32(lo, sa), hi, sc);
-                    acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(isum), vmulq_n_f32(ds[0], dx));
+                    const int32x4_t isum = vmlaq_s32(vmulq_s32(lo, sc_lo), hi, sc_hi);
+                    acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(isum), vmulq_n_f32(ds, dx));
                 } else {
                     const int32x4_t isum = ks_il4_dot(vdupq_n_s32(0), c, xb);
-                    acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(isum), vmulq_n_f32(ds[s], dx));
-                    acc[j] = vfmaq_n_f32(acc[j], vmulq_n_f32(dm[s], dx), P.xs[j][b]);
+                    acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(isum), vmulq_n_f32(ds, dx));
+                    acc[j] = vfmaq_n_f32(acc[j], vmulq_n_f32(dm, dx), P.xs[j][b]);
                 }
             }
         }

@@ -291,25 +291,26 @@ KS_INLINE ks_f8 ks_q6k_lane_scales(const int R, const uint8_t *const wp[8], int6
                                           h[5 % R], h[6 % R], h[7 % R]));
 }
 #else
-/* ds[s] = d * sc[s], dm[s] = ndmin * m[s] (s = 0..7) for 4 lanes, from each lane's d, -dmin
- * and the dwords 0-2 of its 12 scale bytes (r[k] lane l: dword k of lane l's row), by
- * ks_kq_scales_mins's bit operations on all the lanes at once. NEON's rows (below) and its
- * interleaved groups (ks_il4_neon.h) share it. */
-KS_INLINE void ks_kq_unpack_scales_neon(float32x4_t d, float32x4_t ndmin, const uint32x4_t r[3],
-                                        float32x4_t ds[8], float32x4_t dm[8])
+/* The 6-bit scales and mins of 4 lanes, one byte each: byte s % 4 of sc[s / 4] (mn[s / 4])
+ * lane l is lane l's sc[s] (m[s]), from the dwords 0-2 of each lane's 12 scale bytes (r[k]
+ * lane l: dword k of lane l's row), by ks_kq_scales_mins's bit operations on all the lanes at
+ * once. NEON's rows (below) and its interleaved groups (ks_il4_neon.h) share it. */
+KS_INLINE void ks_kq_scale_words_neon(const uint32x4_t r[3], uint32x4_t sc[2], uint32x4_t mn[2])
 {
     const uint32x4_t m6 = vdupq_n_u32(0x3f3f3f3fu), m4 = vdupq_n_u32(0x0f0f0f0fu);
-    const uint32x4_t m30 = vdupq_n_u32(0x30303030u), byte = vdupq_n_u32(0xff);
-    const uint32x4_t sc[2] = {vandq_u32(r[0], m6),
-                              vorrq_u32(vandq_u32(r[2], m4), vandq_u32(vshrq_n_u32(r[0], 2), m30))};
-    const uint32x4_t mn[2] = {vandq_u32(r[1], m6),
-                              vorrq_u32(vandq_u32(vshrq_n_u32(r[2], 4), m4),
-                                        vandq_u32(vshrq_n_u32(r[1], 2), m30))};
-    for (int s = 0; s < 8; s++) {
-        const int32x4_t sh = vdupq_n_s32(-8 * (s % 4));    /* a negative count shifts right */
-        ds[s] = vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(sc[s / 4], sh), byte)), d);
-        dm[s] = vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(mn[s / 4], sh), byte)), ndmin);
-    }
+    const uint32x4_t m30 = vdupq_n_u32(0x30303030u);
+    sc[0] = vandq_u32(r[0], m6);
+    sc[1] = vorrq_u32(vandq_u32(r[2], m4), vandq_u32(vshrq_n_u32(r[0], 2), m30));
+    mn[0] = vandq_u32(r[1], m6);
+    mn[1] = vorrq_u32(vandq_u32(vshrq_n_u32(r[2], 4), m4), vandq_u32(vshrq_n_u32(r[1], 2), m30));
+}
+
+/* Lane l: byte s of ks_kq_scale_words_neon's words (sc[s] or m[s]) as float, times f's lane
+ * l (d: d * sc[s]; -dmin: -(dmin * m[s]), exact products) */
+KS_INLINE float32x4_t ks_kq_scale_neon(const uint32x4_t words[2], const int s, float32x4_t f)
+{
+    const int32x4_t sh = vdupq_n_s32(-8 * (s % 4));     /* a negative count shifts right */
+    return vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(words[s / 4], sh), vdupq_n_u32(0xff))), f);
 }
 
 KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_t off,
@@ -329,11 +330,11 @@ KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_
                                  vreinterpretq_u32_u64(vtrn2q_u64(t1, t3))};
         const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u16(vmovn_u32(r0)));
         const float32x4_t ndmin = vnegq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vshrn_n_u32(r0, 16))));
-        float32x4_t hs[8], hm[8];
-        ks_kq_unpack_scales_neon(d, ndmin, r, hs, hm);
+        uint32x4_t sc[2], mn[2];
+        ks_kq_scale_words_neon(r, sc, mn);
         for (int s = 0; s < 8; s++) {
-            ds[s].val[h] = hs[s];
-            dm[s].val[h] = hm[s];
+            ds[s].val[h] = ks_kq_scale_neon(sc, s, d);
+            dm[s].val[h] = ks_kq_scale_neon(mn, s, ndmin);
         }
     }
 }
