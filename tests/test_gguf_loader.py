@@ -55,8 +55,9 @@ def test_smollm2_weights_match_the_file(smollm2):
 
 def test_smollm2_matrices_interleaved_where_the_cpu_has_the_product(smollm2):
     """By default the loader copies matrices into interleaved groups where the CPU has that
-    product (Q4_1 on x86; the tied Q8_0 embedding, which is the output matrix, on
-    AVX512-VNNI): the same rows, interleaved, and the same embedding rows read from them."""
+    product (Q4_1 on x86 and on aarch64 with sdot; the tied Q8_0 embedding, which is the
+    output matrix, on AVX512-VNNI and aarch64 with sdot): the same rows, interleaved, and the
+    same embedding rows read from them."""
     il = load_model(smollm2_gguf())
     dense = [m for L in smollm2.weights.layers for m in (L.wq, L.wk, L.wv, L.wo, L.w_gate,
                                                          L.w_up, L.w_down) if m.qtype == T.Q4_1]

@@ -62,8 +62,9 @@ def test_status_model_map_through_the_daemon(tmp_path):
 
 
 def test_interleaved_weights_through_the_daemon_and_with_no_interleave(tmp_path):
-    """A Q4_0 model: on x86 the daemon interleaves its dense matrices (status says how many
-    bytes), --no-interleave keeps them in the map; both answer with the same token ids."""
+    """A Q4_0 model: where the CPU has that product (x86, aarch64 with sdot) the daemon
+    interleaves its dense matrices (status says how many bytes), --no-interleave keeps them in
+    the map; both answer with the same token ids."""
     from kestreld.kernels import K
     gen = modelgen.generate("qwen3_untied", tmp_path, ("q4_0",))
     path = str(gen.gguf["q4_0"])

@@ -79,7 +79,7 @@ class Matrix:
 
     def interleave(self) -> "Matrix":
         """This matrix's interleaved copy where the CPU has a product on it (K.interleaves:
-        groups of as many rows as its tiles take, 16 or 8), else itself: a new buffer, in which
+        groups of as many rows as its tiles take, 16, 8 or 4), else itself: a new buffer, in which
         the tiles load each block field of a group's rows as one vector (pyx/ks_weights.h
         gives the layout). Same values, same result bits."""
         group = K.interleaves(int(self.qtype))
