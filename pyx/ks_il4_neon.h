@@ -8,7 +8,7 @@
  * unpacked serves up to 4 tokens (prefill tiles of 4 rows x 4 tokens; decode 4 x 1). The
  * rows' tiles (ks_q8.h, ks_q4.h, ks_kquants.h) load each row's block, multiply it by whole
  * blocks of activations and add the four partial sums of each (row, token) pair across lanes.
- * llama.cpp repacks Q4_0 and the K types for dotprod ARM cores for the same reason.
+ * llama.cpp repacks Q4_0, Q8_0 and the K types for dotprod ARM cores for the same reason.
  *
  * Code vectors c[q] (q = 0..7): lane i holds row i's values 4q..4q+3 of a 32-value block (a
  * K type's sub-block), so the block's product with a token's 32 activations x is

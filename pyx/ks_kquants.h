@@ -678,7 +678,7 @@ KS_VNNI_TARGET static void ks_q6k_matmul_rows_x16(KS_ROWS_PARAMS)
  * (ks_weights.h's table), ks_kq_tile.h's 16-row tiles for decode too: 1.04-1.47x the 8-row
  * tiles with the rows in cache, Q4_K about 0.95x from memory. An interleaved matrix goes to the
  * *_x8 / *_x16 entry points, ks_kq_tile.h's tiles for both (Q6_K's codes need no transpose
- * there). */
+ * there); on NEON with sdot, to ks_il4_neon.h's *_x4. */
 KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, nsb = k / KS_QK_K, sums = kind != KS_KQ_Q6K;

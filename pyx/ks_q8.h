@@ -722,7 +722,8 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_x16(KS_ROWS_PARAMS)
 /* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: the
  * transposed 8-row x 4-token tiles on AVX2, tiles of 4 rows x 2 tokens on NEON, so each weight
  * block loaded feeds several tokens and each activation block several rows. AVX512-VNNI CPUs
- * take ks_q8_matmul_rows_vnni instead (ks_weights.h's table). */
+ * take ks_q8_matmul_rows_vnni instead (ks_weights.h's table); an interleaved matrix goes to
+ * ks_q8_matmul_rows_x16 (AVX512-VNNI) or ks_il4_neon.h's ks_q8_matmul_rows_x4 (NEON with sdot). */
 static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK;
