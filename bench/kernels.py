@@ -6,9 +6,9 @@
   (the same where the CPU has none);
 
 each on the rows as a GGUF file lays them out and, where this CPU has that product, on their
-copy interleaved as the loader makes it (ks_weights.h; 16, 8 or 4 rows a group), with the
-ratio interleaved / rows: on a new CPU (an RK3588's A76 cores) it says whether
-`--no-interleave` should be the default there.
+copy interleaved as the loader makes it (ks_weights.h; 16, 8 or 4 rows a group), one line
+after the other: on a new CPU (an RK3588's A76 cores) they say whether `--no-interleave`
+should be the default there.
 
 Random codes and scales (speed does not depend on the values). Best and median of --reps.
 Run it on a quiet machine, at the highest priority the shell allows, e.g.
