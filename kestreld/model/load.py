@@ -62,8 +62,9 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
     once the file is opened and before any weight is read: may refuse to go on when what the
     weights will take in memory (`bytes`, the vision encoder's mmproj file included) does
     not fit. `interleave`: the matrices the CPU has an interleaved product for (x86, and
-    aarch64 with sdot; not an untied token embedding, not MoE experts) are copied into it once and their mapped
-    pages released (`interleave_matrices`); False keeps every matrix in place in the map."""
+    aarch64 with sdot; not an untied token embedding, not MoE experts) are copied into it once
+    and their mapped pages released (`interleave_matrices`); False keeps every matrix in place
+    in the map."""
     if os.path.isdir(path):
         source, mmproj, conversion = _open_hf_cached(path, cache_dir, mmproj)
     elif os.path.exists(path):
