@@ -268,13 +268,20 @@ KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
 #undef KS_IL4_TILE
 }
 
-static void ks_q4_0_matmul_rows_x4(KS_ROWS_PARAMS) { ks_il4_matmul_rows(0, KS_Q4X_Q4_0, KS_ROWS_ARGS); }
-static void ks_q4_1_matmul_rows_x4(KS_ROWS_PARAMS) { ks_il4_matmul_rows(0, KS_Q4X_Q4_1, KS_ROWS_ARGS); }
-static void ks_q5_0_matmul_rows_x4(KS_ROWS_PARAMS) { ks_il4_matmul_rows(0, KS_Q4X_Q5_0, KS_ROWS_ARGS); }
-static void ks_q8_matmul_rows_x4(KS_ROWS_PARAMS) { ks_il4_matmul_rows(0, KS_IL4_Q8_0, KS_ROWS_ARGS); }
-static void ks_q4k_matmul_rows_x4(KS_ROWS_PARAMS) { ks_il4_matmul_rows(1, KS_KQ_Q4K, KS_ROWS_ARGS); }
-static void ks_q5k_matmul_rows_x4(KS_ROWS_PARAMS) { ks_il4_matmul_rows(1, KS_KQ_Q5K, KS_ROWS_ARGS); }
-static void ks_q6k_matmul_rows_x4(KS_ROWS_PARAMS) { ks_il4_matmul_rows(1, KS_KQ_Q6K, KS_ROWS_ARGS); }
+static void ks_q4_0_matmul_rows_x4(KS_ROWS_PARAMS)
+{ ks_il4_matmul_rows(0, KS_Q4X_Q4_0, KS_ROWS_ARGS); }
+static void ks_q4_1_matmul_rows_x4(KS_ROWS_PARAMS)
+{ ks_il4_matmul_rows(0, KS_Q4X_Q4_1, KS_ROWS_ARGS); }
+static void ks_q5_0_matmul_rows_x4(KS_ROWS_PARAMS)
+{ ks_il4_matmul_rows(0, KS_Q4X_Q5_0, KS_ROWS_ARGS); }
+static void ks_q8_matmul_rows_x4(KS_ROWS_PARAMS)
+{ ks_il4_matmul_rows(0, KS_IL4_Q8_0, KS_ROWS_ARGS); }
+static void ks_q4k_matmul_rows_x4(KS_ROWS_PARAMS)
+{ ks_il4_matmul_rows(1, KS_KQ_Q4K, KS_ROWS_ARGS); }
+static void ks_q5k_matmul_rows_x4(KS_ROWS_PARAMS)
+{ ks_il4_matmul_rows(1, KS_KQ_Q5K, KS_ROWS_ARGS); }
+static void ks_q6k_matmul_rows_x4(KS_ROWS_PARAMS)
+{ ks_il4_matmul_rows(1, KS_KQ_Q6K, KS_ROWS_ARGS); }
 
 #define KS_NEON_IL_ROWS(fn) fn       /* a type's product on 4-row groups, for ks_weights.h */
 #else
