@@ -22,6 +22,30 @@ KS_TFN void KS_TN(ks_dwords_il)(const uint8_t *p, const int n, KS_TI c[])
         c[q] = KS_MMSI(loadu)((const KS_TI *)(p + KS_TW * 4 * q));
 }
 
+/* Q4_K / Q5_K's lane scales of a superblock from its three scale dwords r[k] (lane i: row i's
+ * bytes 4 + 4k .. 7 + 4k) and its d and -dmin: ds[s] = d * sc[s], dm[s] = -(dmin * m[s])
+ * (exact products), by ks_kq_scales_mins's bit operations on all the lanes at once. The rows'
+ * ks_kq_lane_scales (ks_kquants.h, 8 lanes) and the groups' ks_kq_scales_il share it. */
+KS_TFN void KS_TN(ks_kq_unpack_scales)(const KS_TI r[3], const KS_TF d, const KS_TF ndmin,
+                                       KS_TF ds[8], KS_TF dm[8])
+{
+    const KS_TI m6 = KS_MM(set1_epi8)(0x3f), m4 = KS_MM(set1_epi8)(0x0f);
+    const KS_TI m30 = KS_MM(set1_epi8)(0x30), byte = KS_MM(set1_epi32)(0xff);
+    const KS_TI sc[2] = {KS_MMSI(and)(r[0], m6), KS_MMSI(or)(KS_MMSI(and)(r[2], m4),
+                         KS_MMSI(and)(KS_MM(srli_epi32)(r[0], 2), m30))};
+    const KS_TI mn[2] = {KS_MMSI(and)(r[1], m6), KS_MMSI(or)(
+                         KS_MMSI(and)(KS_MM(srli_epi32)(r[2], 4), m4),
+                         KS_MMSI(and)(KS_MM(srli_epi32)(r[1], 2), m30))};
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {   /* byte s % 4 of every lane's dword */
+        const int sh = 8 * (s % 4);
+        const KS_TI a = KS_MMSI(and)(KS_MM(srli_epi32)(sc[s / 4], sh), byte);
+        const KS_TI m = KS_MMSI(and)(KS_MM(srli_epi32)(mn[s / 4], sh), byte);
+        ds[s] = KS_MM(mul_ps)(KS_MM(cvtepi32_ps)(a), d);
+        dm[s] = KS_MM(mul_ps)(KS_MM(cvtepi32_ps)(m), ndmin);
+    }
+}
+
 /* ks_kq_scales (ks_kquants.h) on an interleaved group's superblock at g (its d, dmin and
  * scale dwords side by side): the same lane scales, the same float operations. */
 KS_TFN void KS_TN(ks_kq_scales_il)(const int kind, const uint8_t *g, KS_TF ds[8], KS_TF dm[8],
@@ -34,23 +58,8 @@ KS_TFN void KS_TN(ks_kq_scales_il)(const int kind, const uint8_t *g, KS_TF ds[8]
     }
     KS_TI r[3];
     KS_TN(ks_dwords_il)(g + KS_TW * 4, 3, r);
-    const KS_TI m6 = KS_MM(set1_epi8)(0x3f), m4 = KS_MM(set1_epi8)(0x0f);
-    const KS_TI m30 = KS_MM(set1_epi8)(0x30), byte = KS_MM(set1_epi32)(0xff);
-    const KS_TI sc[2] = {KS_MMSI(and)(r[0], m6), KS_MMSI(or)(KS_MMSI(and)(r[2], m4),
-                         KS_MMSI(and)(KS_MM(srli_epi32)(r[0], 2), m30))};
-    const KS_TI mn[2] = {KS_MMSI(and)(r[1], m6), KS_MMSI(or)(
-                         KS_MMSI(and)(KS_MM(srli_epi32)(r[2], 4), m4),
-                         KS_MMSI(and)(KS_MM(srli_epi32)(r[1], 2), m30))};
-    const KS_TF d = KS_TN(ks_fp16_vec)(g);
-    const KS_TF ndmin = KS_TN(ks_negate)(KS_TN(ks_fp16_vec)(g + KS_TW * 2));
-#pragma GCC unroll 8
-    for (int s = 0; s < 8; s++) {   /* byte s % 4 of every lane's dword */
-        const int sh = 8 * (s % 4);
-        const KS_TI a = KS_MMSI(and)(KS_MM(srli_epi32)(sc[s / 4], sh), byte);
-        const KS_TI m = KS_MMSI(and)(KS_MM(srli_epi32)(mn[s / 4], sh), byte);
-        ds[s] = KS_MM(mul_ps)(KS_MM(cvtepi32_ps)(a), d);
-        dm[s] = KS_MM(mul_ps)(KS_MM(cvtepi32_ps)(m), ndmin);
-    }
+    KS_TN(ks_kq_unpack_scales)(r, KS_TN(ks_fp16_vec)(g),
+                               KS_TN(ks_negate)(KS_TN(ks_fp16_vec)(g + KS_TW * 2)), ds, dm);
 }
 
 /* ks_q6k_codes (ks_kquants.h) on an interleaved group's superblock at g: block s's codes from

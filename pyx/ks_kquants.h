@@ -255,30 +255,23 @@ KS_INLINE void ks_transpose8x4_epi32(const int R, const uint8_t *const wp[8], in
     r[3] = _mm256_unpackhi_epi64(t[1], t[3]);
 }
 
+/* Defined by ks_kq_tile.h at its KS_TW 8 include below, which has to follow this file's
+ * width helpers (ks_kq_scales_t8 calls ks_kq_lane_scales). */
+KS_INLINE void ks_kq_unpack_scales_t8(const __m256i r[3], const __m256 d, const __m256 ndmin,
+                                      __m256 ds[8], __m256 dm[8]);
+
 KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_t off,
                                  ks_f8 ds[8], ks_f8 dm[8])
 {
     __m256i r[4];
     ks_transpose8x4_epi32(R, wp, off, r);
-    const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f);
-    const __m256i m30 = _mm256_set1_epi8(0x30), lo16 = _mm256_set1_epi32(0xffff);
-    const __m256i sc[2] = {_mm256_and_si256(r[1], m6), _mm256_or_si256(_mm256_and_si256(r[3], m4),
-                           _mm256_and_si256(_mm256_srli_epi32(r[1], 2), m30))};
-    const __m256i mn[2] = {_mm256_and_si256(r[2], m6), _mm256_or_si256(
-                           _mm256_and_si256(_mm256_srli_epi32(r[3], 4), m4),
-                           _mm256_and_si256(_mm256_srli_epi32(r[2], 2), m30))};
-    const __m256i dh = _mm256_and_si256(r[0], lo16), mh = _mm256_srli_epi32(r[0], 16);
+    const __m256i dh = _mm256_and_si256(r[0], _mm256_set1_epi32(0xffff));
+    const __m256i mh = _mm256_srli_epi32(r[0], 16);
     const __m256 d = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(dh),
                                                       _mm256_extracti128_si256(dh, 1)));
-    const __m256 ndmin = _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_cvtph_ps(_mm_packus_epi32(
-        _mm256_castsi256_si128(mh), _mm256_extracti128_si256(mh, 1))));
-    const __m256i byte = _mm256_set1_epi32(0xff);
-#pragma GCC unroll 8
-    for (int s = 0; s < 8; s++) {   /* byte s % 4 of every lane's dword */
-        const int sh = 8 * (s % 4);
-        ds[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(sc[s / 4], sh), byte)), d);
-        dm[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn[s / 4], sh), byte)), ndmin);
-    }
+    const __m256 dmin = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(mh),
+                                                         _mm256_extracti128_si256(mh, 1)));
+    ks_kq_unpack_scales_t8(r + 1, d, ks_negate_t8(dmin), ds, dm);
 }
 
 /* Q6_K: lane l = d of row l % R */
