@@ -49,8 +49,9 @@ def interleaves(qtype: int) -> int:
 def interleave_rows(w: np.ndarray, qtype: int, cols: int) -> np.ndarray:
     """w's rows in interleaved groups of interleaves(qtype) (a new 64-byte-aligned array)."""
 def dequantize_rows(w: np.ndarray, qtype: int, ids: np.ndarray, out: np.ndarray,
-                    interleaved: bool = False) -> None:
-    """out (n, k) = rows ids (int32 (n,)) of w as float."""
+                    interleaved: bool = False, rows: int = -1) -> None:
+    """out (n, k) = rows ids (int32 (n,)) of w as float; rows: the matrix's (needed when w is
+    an interleave_rows copy, its last group padded)."""
 
 # ---- row and element kernels (elementwise.pxi, ks_rows.h, ks_common.h) ----------------------
 

@@ -135,15 +135,22 @@ def set_matmul_vnni(bint enabled):
 
 
 def dequantize_rows(const uint8_t[:, ::1] w, int qtype, const int32_t[::1] ids, float[:, ::1] out,
-                    bint interleaved=False):
+                    bint interleaved=False, Py_ssize_t rows=-1):
     """Embedding lookup: out[i, :] = row ids[i] of the matrix w (GGML type qtype, rows of
     k = out.shape[1] values; interleaved: interleave_rows' copy of them, made on this CPU),
-    as float32."""
-    cdef Py_ssize_t m = w.shape[0], n = ids.shape[0], k = out.shape[1], i
+    as float32. rows: the matrix's row count, w.shape[0] by default; an interleaved w needs
+    it, as the last group's padding rows are no rows of the matrix."""
+    cdef Py_ssize_t m = rows if rows >= 0 else w.shape[0], n = ids.shape[0], k = out.shape[1], i
     cdef int group = ks_il_rows(qtype) if interleaved else 0
+    cdef Py_ssize_t want_rows = (m + group - 1) // group * group if group else m
     cdef ks_matrix W
-    if interleaved and (not group or m % group):
+    if interleaved and (not group or w.shape[0] % group):
         raise ValueError(f"dequantize_rows: w is not interleaved by rows of type {qtype} here")
+    if interleaved and rows < 0:
+        raise ValueError("dequantize_rows: an interleaved w needs rows, its count before padding")
+    if w.shape[0] != want_rows:
+        have = f"{w.shape[0]}, less the last group's padding" if group else f"{w.shape[0]}"
+        raise ValueError(f"dequantize_rows: rows must be {have}, got {m}")
     if not ks_type_supported(qtype):
         raise ValueError(f"dequantize_rows: weight type {qtype} is not one the kernels compute on")
     if k <= 0 or k % ks_type_block(qtype):

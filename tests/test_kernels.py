@@ -251,6 +251,31 @@ def test_dequantize_rows_is_an_exact_embedding_lookup():
         K.dequantize_rows(w, Q8_0, ids, np.empty((4, 96), np.float32))
 
 
+def test_dequantize_rows_rejects_the_padding_of_an_interleaved_copy():
+    """50 rows fill no whole group of 16, 8 or 4: the interleaved copy's last group ends in
+    padding rows, which are no rows of the matrix; its real rows read back as w's."""
+    if not K.interleaves(Q8_0):
+        pytest.skip("Q8_0 is not interleaved on this CPU")
+    rng = np.random.default_rng(12)
+    w, _, _ = make_q8_weights(rng, 50, 96)
+    il = K.interleave_rows(w, Q8_0, 96)
+    assert il.shape[0] > 50
+    ids = np.array([49, 0, 33, 48], np.int32)
+    want, got = np.empty((len(ids), 96), np.float32), np.full((len(ids), 96), np.nan, np.float32)
+    K.dequantize_rows(w, Q8_0, ids, want)
+    K.dequantize_rows(il, Q8_0, ids, got, True, 50)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    for bad in range(50, il.shape[0] + 1):     # every padding row, then the first past them
+        with pytest.raises(ValueError, match=r"outside \[0, 50\)"):
+            K.dequantize_rows(il, Q8_0, np.array([1, bad], np.int32),
+                              np.empty((2, 96), np.float32), True, 50)
+    with pytest.raises(ValueError, match="needs rows"):
+        K.dequantize_rows(il, Q8_0, ids, got, True)
+    for data, interleaved in ((w, False), (il, True)):
+        with pytest.raises(ValueError, match="rows must be"):
+            K.dequantize_rows(data, Q8_0, ids, got, interleaved, 40)
+
+
 # ---- float kernels ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,d", [(1, 2048), (67, 576), (3 * 16, 128), (5, 13)])

@@ -73,7 +73,7 @@ def test_dequantize_rows_equals_gguf_bit_for_bit(qtype, blocks):
         f"{np.sum(out.view(np.uint32) != want.view(np.uint32))} values differ"
     if K.interleaves(int(qtype)):                  # the rows read back from interleaved groups
         again = np.full_like(out, np.nan)
-        K.dequantize_rows(K.interleave_rows(w, int(qtype), k), int(qtype), ids, again, True)
+        K.dequantize_rows(K.interleave_rows(w, int(qtype), k), int(qtype), ids, again, True, m)
         assert np.array_equal(again.view(np.uint32), out.view(np.uint32))
 
 

@@ -77,7 +77,7 @@ def test_dequantize_rows_equals_gguf(qtype, source):
     assert np.array_equal(out.view(np.uint32), want[ids].astype(np.float32).view(np.uint32))
     if K.interleaves(int(qtype)):                  # the rows read back from interleaved groups
         again = np.full_like(out, np.nan)
-        K.dequantize_rows(K.interleave_rows(w, int(qtype), k), int(qtype), ids, again, True)
+        K.dequantize_rows(K.interleave_rows(w, int(qtype), k), int(qtype), ids, again, True, m)
         assert np.array_equal(again.view(np.uint32), out.view(np.uint32))
 
 
