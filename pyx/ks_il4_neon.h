@@ -61,8 +61,9 @@ KS_INLINE uint8x16_t ks_il4_q5_bits(uint8x16_t qh, const int s)
     return vandq_u8(vtstq_u8(spread, bit), vdupq_n_u8(16));
 }
 
-/* The codes of block blk of a group: Q8_0's as they lie; Q4_0, Q4_1, Q5_0's unsigned q from
- * the 4 dwords of packed nibbles (low nibbles values 4q..4q+3, high ones 16+4q..16+4q+3). */
+/* The codes of block blk of a group: Q8_0's as they lie; Q4_0's (q - 8) * 16 from its codes
+ * ^ 0x88 (ks_il_code_xor); Q4_1, Q5_0's unsigned q; from the 4 dwords of packed nibbles (low
+ * nibbles values 4q..4q+3, high ones 16+4q..16+4q+3). */
 KS_INLINE void ks_b32_codes_il4(const int f, const uint8_t *blk, int8x16_t c[8])
 {
     if (f == KS_IL4_Q8_0) {
@@ -71,6 +72,14 @@ KS_INLINE void ks_b32_codes_il4(const int f, const uint8_t *blk, int8x16_t c[8])
         return;
     }
     const int Q = ks_q4x_qs_offset(f);
+    if (f == KS_Q4X_Q4_0) {
+        for (int q = 0; q < 4; q++) {
+            const int8x16_t d = vld1q_s8((const int8_t *)blk + 4 * (Q + 4 * q));
+            c[q] = vshlq_n_s8(d, 4);
+            c[q + 4] = vreinterpretq_s8_u8(vandq_u8(vreinterpretq_u8_s8(d), vdupq_n_u8(0xF0)));
+        }
+        return;
+    }
     const uint8x16_t low = vdupq_n_u8(15);
     const uint8x16_t qh = f == KS_Q4X_Q5_0 ? vld1q_u8(blk + 4 * 2) : vdupq_n_u8(0);
     for (int q = 0; q < 4; q++) {
@@ -86,15 +95,17 @@ KS_INLINE void ks_b32_codes_il4(const int f, const uint8_t *blk, int8x16_t c[8])
 }
 
 /* res[j * 4 + i] = out value of the group g's row i, token j < T (tokens >= tv repeat the last
- * valid one), by ks_q8.h's / ks_q4.h's epilogue. xs (not Q8_0): the tile's first token's block
- * sums, nb per token; the sums start at -8 or -16 times them (the code offset), and Q4_1's m
- * term takes them. pf (or NULL): block b prefetches the pf_step bytes at pf + b * pf_step. */
+ * valid one), by ks_q8.h's / ks_q4.h's epilogue. xs (Q4_1, Q5_0): the tile's first token's
+ * block sums, nb per token; Q5_0's sums start at -16 times them (the code offset), and Q4_1's m
+ * term takes them. Q4_0's codes come 16 times over (ks_b32_codes_il4), and so its sums: the
+ * fixed-point conversion's 4 fraction bits divide them back exactly. pf (or NULL): block b
+ * prefetches its own bytes in the group at pf (the next group, as the one at g lies). */
 KS_INLINE void ks_b32_tile_il4(const int f, const int T, const uint8_t *g, const int8_t *x,
                                const float *xd, const int32_t *xs, int tv, int nb, float *res,
-                               const uint8_t *pf, int64_t pf_step)
+                               const uint8_t *pf)
 {
     const int B = f == KS_IL4_Q8_0 ? KS_QBLOCK : ks_q4x_block_bytes(f);
-    const int off = f == KS_IL4_Q8_0 ? 0 : ks_q4x_code_offset(f);
+    const int off = f == KS_IL4_Q8_0 || f == KS_Q4X_Q4_0 ? 0 : ks_q4x_code_offset(f);
     const int8_t *xp[KS_IL4_TOKENS];
     const float *dp[KS_IL4_TOKENS];
     const int32_t *sp[KS_IL4_TOKENS];
@@ -105,16 +116,17 @@ KS_INLINE void ks_b32_tile_il4(const int f, const int T, const uint8_t *g, const
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = g + (int64_t)b * 4 * B;
         int8x16_t c[8];
-        if (pf)
-            ks_prefetch_rows(pf + b * pf_step, pf_step, KS_PREFETCH_L2);
+        if (pf)     /* a constant 4 * B bytes: unrolled, no loop */
+            ks_prefetch_rows(pf + (int64_t)b * 4 * B, 4 * B, KS_PREFETCH_L2);
         ks_b32_codes_il4(f, blk, c);
         const float32x4_t dw = ks_il4_fp16(blk);
         const float32x4_t dm = f == KS_Q4X_Q4_1 ? ks_il4_fp16(blk + 4 * 2) : vdupq_n_f32(0.0f);
         for (int j = 0; j < T; j++) {
-            const int32_t xsum = f == KS_IL4_Q8_0 ? 0 : sp[j][b];
+            const int32_t xsum = off || f == KS_Q4X_Q4_1 ? sp[j][b] : 0;
             const int32x4_t s = ks_il4_dot(vdupq_n_s32(-off * xsum), c, xp[j] + b * KS_QK);
             const float dx = dp[j][b];
-            acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(s), vmulq_n_f32(dw, dx));
+            const float32x4_t sf = f == KS_Q4X_Q4_0 ? vcvtq_n_f32_s32(s, 4) : vcvtq_f32_s32(s);
+            acc[j] = vfmaq_f32(acc[j], sf, vmulq_n_f32(dw, dx));
             if (f == KS_Q4X_Q4_1)
                 acc[j] = vfmaq_f32(acc[j], vdupq_n_f32((float)xsum), vmulq_n_f32(dm, dx));
         }
@@ -165,10 +177,10 @@ KS_INLINE void ks_q6k_scales_il4(const uint8_t *sbk, const int s, int32x4_t *sa,
 /* res[j * 4 + i] = out value of the group g's row i, token j < T (tokens >= tv repeat the last
  * valid one), over nsb superblocks, by ks_kquants.h's epilogue. xs (Q4_K, Q5_K): the tile's
  * first token's block sums (ks_q8_block_sums), nsb * 8 per token. pf (or NULL): superblock sb
- * prefetches the pf_step bytes at pf + sb * pf_step, an eighth per block. */
+ * prefetches its own bytes in the group at pf (the next group), an eighth per block. */
 KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, const int8_t *x,
                               const float *xd, const float *xs, int tv, int nsb, float *res,
-                              const uint8_t *pf, int64_t pf_step)
+                              const uint8_t *pf)
 {
     const int bytes = ks_kq_bytes(kind);
     ks_kq_tile_ptrs P;
@@ -196,7 +208,7 @@ KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, con
             int8x16_t c[8];
             int32x4_t sc_lo = vdupq_n_s32(0), sc_hi = vdupq_n_s32(0);
             if (pf)
-                ks_prefetch_rows(pf + sb * pf_step + s * (pf_step / 8), pf_step / 8,
+                ks_prefetch_rows(pf + (int64_t)sb * 4 * bytes + s * (4 * bytes / 8), 4 * bytes / 8,
                                  ks_kq_prefetch_l2(kind, 4));
             ks_kq_codes_il4(kind, sbk, s, c);
             const float32x4_t ds = kind == KS_KQ_Q6K ? d : ks_kq_scale_neon(sc, s, d);
@@ -232,18 +244,18 @@ KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, con
 KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
-    /* the token block's activation block sums: int (32-value types but Q8_0), float (Q4_K,
-     * Q5_K), as the rows' products take them */
-    const int sums = kq ? kind != KS_KQ_Q6K : kind != KS_IL4_Q8_0;
+    /* the token block's activation block sums: int (Q4_1, Q5_0), float (Q4_K, Q5_K), as the
+     * rows' products take them */
+    const int sums = kq ? kind != KS_KQ_Q6K : kind != KS_IL4_Q8_0 && kind != KS_Q4X_Q4_0;
     int32_t xsi[!kq && sums ? tblock * nb : 1];
     float xsf[kq && sums ? tblock * nb : 1], res[4 * KS_IL4_TOKENS];
-#define KS_IL4_TILE(T, t, tv, pf, pf_step)                                                      \
+#define KS_IL4_TILE(T, t, tv, pf)                                                                \
     (kq ? ks_kq_tile_il4(kind, T, w + (int64_t)r * w_stride, xq + (int64_t)(t) * k,            \
                          xd + (int64_t)(t) * nb, sums ? xsf + ((t) - tb) * nb : NULL, tv,      \
-                         nb / 8, res, pf, pf_step)                                              \
+                         nb / 8, res, pf)                                                       \
         : ks_b32_tile_il4(kind, T, w + (int64_t)r * w_stride, xq + (int64_t)(t) * k,           \
                           xd + (int64_t)(t) * nb, sums ? xsi + ((t) - tb) * nb : NULL, tv, nb, \
-                          res, pf, pf_step))
+                          res, pf))
     for (int tb = 0; tb < n; tb += tblock) {
         const int te = tb + tblock < n ? tb + tblock : n;
         if (sums && kq)
@@ -254,13 +266,13 @@ KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
             const int rv = r1 - r < 4 ? r1 - r : 4;
             if (n == 1) {
                 const uint8_t *next = r + 4 < m ? w + (int64_t)(r + 4) * w_stride : NULL;
-                KS_IL4_TILE(1, tb, 1, next, 4 * w_stride / (kq ? nb / 8 : nb));
+                KS_IL4_TILE(1, tb, 1, next);
                 ks_q8_store_tile(4, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
             for (int t = tb; t < te; t += KS_IL4_TOKENS) {
                 const int tv = te - t < KS_IL4_TOKENS ? te - t : KS_IL4_TOKENS;
-                KS_IL4_TILE(KS_IL4_TOKENS, t, tv, NULL, 0);
+                KS_IL4_TILE(KS_IL4_TOKENS, t, tv, NULL);
                 ks_q8_store_tile(4, KS_IL4_TOKENS, res, out, m, r, rv, t, tv);
             }
         }

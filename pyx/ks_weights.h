@@ -140,6 +140,15 @@ static inline const uint8_t *ks_matrix_row(const ks_matrix *w, int e, int r)
  * field's size). A field at offset o of the block thus becomes one W-lane vector at W * o (fp16
  * scales, Q5_0's high bits, dwords of codes). Rows past the matrix's end are zero. */
 
+/* What the 4-byte fields of a type's groups of W rows are xor-ed with: Q4_0's 4-row groups
+ * (the NEON dotprod tile's) hold their codes ^ 0x88, so that each nibble shifted to the top of
+ * its byte is a signed (q - 8) * 16 and the tile needs no -8 * (activation sum) term
+ * (llama.cpp's ARM repack of Q4_0 stores them so too). The same xor undoes it. */
+static inline uint32_t ks_il_code_xor(const ks_type_ops *t, const int W)
+{
+    return t->type == KS_TYPE_Q4_0 && W == 4 ? 0x88888888u : 0;
+}
+
 /* Rows i0 .. i1 - 1 of a group (W rows of nb blocks) between the rows' layout, row i at
  * rows + (i - i0) * rb, and the interleaved one at il; back: il -> rows, else rows -> il (the
  * group's other rows then zero: rows past the matrix's end). */
@@ -148,6 +157,7 @@ static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb
 {
     const int B = t->block_bytes;
     const int64_t rb = (int64_t)nb * B;
+    const uint32_t x = ks_il_code_xor(t, W);
     if (!back && (i0 > 0 || i1 < W))
         memset(il, 0, (size_t)W * rb);
     for (int b = 0; b < nb; b++)
@@ -158,8 +168,16 @@ static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb
                                 : memcpy(g + W * o + (size) * i, r + o, size))
             for (; o < 2 * t->fp16_head; o += 2)
                 KS_IL_FIELD(2);
-            for (; o + 4 <= B; o += 4)
+            for (; o + 4 <= B; o += 4) {
                 KS_IL_FIELD(4);
+                if (x) {
+                    uint8_t *f = back ? r + o : g + W * o + 4 * i;
+                    uint32_t v;
+                    memcpy(&v, f, 4);
+                    v ^= x;
+                    memcpy(f, &v, 4);
+                }
+            }
             if (o < B)
                 KS_IL_FIELD(2);
 #undef KS_IL_FIELD
