@@ -96,7 +96,8 @@ def plugin(work: str) -> str:
 
 
 def pypi_file(project: str, suffix: str, dest: str) -> str:
-    """The file of project whose name ends with suffix, from PyPI's simple index (sha256 checked)."""
+    """The file of project whose name ends with suffix, from PyPI's simple index (sha256
+    checked)."""
     with urllib.request.urlopen(f"{PYPI}/{project}/") as r:
         page = r.read().decode()
     found = [m for m in re.findall(r'href="([^"]+)"', page) if m.split("#")[0].endswith(suffix)]
@@ -214,8 +215,8 @@ def count(engine: str, path: str, args, tools: dict) -> dict:
 
 
 def profile(blocks: str, maps: str, root: str) -> list:
-    """[(instructions, "symbol (file)")], most first: the plugin's blocks by the function of
-    the guest's mapped files (aarch64-linux-gnu-nm's symbols) that holds each."""
+    """[(instructions, SIMD instructions, "symbol (file)")], most first: the plugin's blocks by
+    the function of the guest's mapped files (aarch64-linux-gnu-nm's symbols) that holds each."""
     import bisect
     spans = []                                   # (start, end, file offset, path) executable
     for line in open(maps):
@@ -238,7 +239,7 @@ def profile(blocks: str, maps: str, root: str) -> list:
 
     total = {}
     for line in open(blocks):
-        addr_hex, n = line.split()
+        addr_hex, n, n_simd = line.split()
         addr = int(addr_hex, 16)
         i = bisect.bisect_right(spans, (addr, float("inf"))) - 1
         name = "?"
@@ -247,8 +248,9 @@ def profile(blocks: str, maps: str, root: str) -> list:
             addrs, names = symbols_of(path)
             j = bisect.bisect_right(addrs, addr - lo + off) - 1
             name = f"{names[j] if j >= 0 else '?'} ({os.path.basename(path)})"
-        total[name] = total.get(name, 0) + int(n)
-    return sorted(((n, s) for s, n in total.items()), reverse=True)
+        done = total.get(name, (0, 0))
+        total[name] = (done[0] + int(n), done[1] + int(n_simd))
+    return sorted(((n, v, s) for s, (n, v) in total.items()), reverse=True)
 
 
 def parse_args(argv=None):
@@ -296,10 +298,12 @@ def main(argv=None) -> int:
                   f"{l[simd] / k[simd]:.2f} |", flush=True)
         for name, r in (("Kestrel", k), ("llama.cpp", l)):
             if args.profile:
-                done = sum(n for n, _ in r["profile"])
-                print(f"  {name}, {spec}: {done / 1e9:.2f} G instructions measured; top:")
-                for n, sym in r["profile"][:args.profile]:
-                    print(f"    {100 * n / done:5.1f}%  {sym}")
+                done = sum(n for n, _, _ in r["profile"])
+                done_simd = sum(v for _, v, _ in r["profile"])
+                print(f"  {name}, {spec}: {done / 1e9:.2f} G instructions measured, "
+                      f"{done_simd / 1e9:.2f} G SIMD; the top functions' shares of each:")
+                for n, v, sym in r["profile"][:args.profile]:
+                    print(f"    {100 * n / done:5.1f}% {100 * v / done_simd:5.1f}%  {sym}")
     return 0
 
 

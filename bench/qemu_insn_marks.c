@@ -7,7 +7,7 @@
  * One counter for the process, added to inline per translation block: exact with one guest
  * thread (the benchmark runs both engines on one thread), racy with more. With blocks=PATH it
  * also writes, at exit, each translated block's guest address and the instructions it executed
- * after the first mark ("ADDR COUNT" in hex and decimal), from which the benchmark makes a
+ * after the first mark ("ADDR ALL SIMD", the address in hex), from which the benchmark makes a
  * profile by symbol of the work it measures (not of the start-up before it).
  *
  *   gcc -shared -fPIC -O2 -o insn_marks.so bench/qemu_insn_marks.c
@@ -55,7 +55,7 @@ static const char *out_path, *blocks_path;
 
 /* blocks=: one record per translation (a block translated again gets another), in chunks that
  * never move, since the inline adds point into them; translation is serialized in user mode */
-typedef struct { uint64_t vaddr, executed; } block_t;
+typedef struct { uint64_t vaddr, executed, executed_simd; } block_t;
 enum { CHUNK = 1 << 16 };
 static block_t **chunks;
 static size_t n_blocks, n_chunks;
@@ -86,9 +86,13 @@ static void on_translate(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
     if (simd)
         qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64, &executed_simd,
                                                  simd);
-    if (blocks_path)
-        qemu_plugin_register_vcpu_tb_exec_inline(
-            tb, QEMU_PLUGIN_INLINE_ADD_U64, &new_block(qemu_plugin_tb_vaddr(tb))->executed, n);
+    if (blocks_path) {
+        block_t *b = new_block(qemu_plugin_tb_vaddr(tb));
+        qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64, &b->executed, n);
+        if (simd)
+            qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64,
+                                                     &b->executed_simd, simd);
+    }
 }
 
 static void write_blocks(qemu_plugin_id_t id, void *userdata)
@@ -100,7 +104,8 @@ static void write_blocks(qemu_plugin_id_t id, void *userdata)
     for (size_t i = 0; i < n_blocks; i++) {
         const block_t *b = &chunks[i / CHUNK][i % CHUNK];
         if (b->executed)
-            fprintf(f, "%" PRIx64 " %" PRIu64 "\n", b->vaddr, b->executed);
+            fprintf(f, "%" PRIx64 " %" PRIu64 " %" PRIu64 "\n", b->vaddr, b->executed,
+                    b->executed_simd);
     }
     fclose(f);
 }
@@ -116,7 +121,7 @@ static void on_syscall(qemu_plugin_id_t id, unsigned int vcpu, int64_t num, uint
     static int marks;
     if (marks++ == 0)
         for (size_t i = 0; i < n_blocks; i++)
-            chunks[i / CHUNK][i % CHUNK].executed = 0;
+            chunks[i / CHUNK][i % CHUNK].executed = chunks[i / CHUNK][i % CHUNK].executed_simd = 0;
     FILE *f = fopen(out_path, "a");
     if (f) {
         fprintf(f, "%" PRIu64 " %" PRIu64 "\n", executed, executed_simd);

@@ -5,7 +5,7 @@
  * row i's. sdot by lane (vdotq_laneq_s32) multiplies such a vector of codes by one 4-byte chunk
  * of a token's activations and adds row i's chunk product into lane i: a block's 4 row sums
  * come out in the lanes, with no gather of rows and no horizontal adds, and each code vector
- * unpacked serves up to 4 tokens (prefill tiles of 4 rows x 4 tokens; decode 4 x 1). The
+ * unpacked serves up to 8 tokens (prefill tiles of 4 rows x 8 tokens; decode 4 x 1). The
  * rows' tiles (ks_q8.h, ks_q4.h, ks_kquants.h) load each row's block, multiply it by whole
  * blocks of activations and add the four partial sums of each (row, token) pair across lanes.
  * llama.cpp repacks Q4_0, Q8_0 and the K types for dotprod ARM cores for the same reason.
@@ -24,7 +24,7 @@
 
 #if defined(KS_NEON_DOT)
 
-#define KS_IL4_TOKENS 4              /* tokens per prefill tile */
+#define KS_IL4_TOKENS 8              /* tokens per prefill tile (4 for a last 4 or fewer) */
 enum { KS_IL4_Q8_0 = KS_Q4X_Q5_0 + 1 };   /* the 32-value tile's formats: ks_q4.h's, and Q8_0 */
 
 /* acc + the 4 row sums of c[0..3] times the 16 activations x (chunk q of x against c[q]) */
@@ -239,8 +239,9 @@ KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, con
 /* ---- the products (KS_ROWS_PARAMS; r0 a multiple of 4, row r's group at w + r * w_stride) -- */
 
 /* Decode in 4 x 1 tiles, each prefetching the next group's blocks as it goes (as the rows'
- * decode tiles do); prefill in tiles of 4 rows x up to 4 tokens over blocks of
- * KS_PREFILL_TOKEN_BLOCK tokens. kind: a ks_kquants.h kind (kq), else a 32-value format. */
+ * decode tiles do); prefill in tiles of 4 rows x 8 tokens (x 4 for a last 4 or fewer) over
+ * blocks of KS_PREFILL_TOKEN_BLOCK tokens. kind: a ks_kquants.h kind (kq), else a 32-value
+ * format. */
 KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
@@ -272,7 +273,10 @@ KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
             }
             for (int t = tb; t < te; t += KS_IL4_TOKENS) {
                 const int tv = te - t < KS_IL4_TOKENS ? te - t : KS_IL4_TOKENS;
-                KS_IL4_TILE(KS_IL4_TOKENS, t, tv, NULL);
+                if (tv > KS_IL4_TOKENS / 2)
+                    KS_IL4_TILE(KS_IL4_TOKENS, t, tv, NULL);
+                else        /* a half tile: no lanes spent on repeated tokens */
+                    KS_IL4_TILE(KS_IL4_TOKENS / 2, t, tv, NULL);
                 ks_q8_store_tile(4, KS_IL4_TOKENS, res, out, m, r, rv, t, tv);
             }
         }
