@@ -299,11 +299,20 @@ KS_INLINE void ks_kq_scale_words_neon(const uint32x4_t r[3], uint32x4_t sc[2], u
 }
 
 /* Lane l: byte s of ks_kq_scale_words_neon's words (sc[s] or m[s]) as float, times f's lane
- * l (d: d * sc[s]; -dmin: -(dmin * m[s]), exact products) */
+ * l (d: d * sc[s]; -dmin: -(dmin * m[s]), exact products). The byte comes out by one vector
+ * operation: a mask (byte 0), a shift (byte 3) or a table lookup (bytes 1, 2; indices past
+ * the table give 0). */
 KS_INLINE float32x4_t ks_kq_scale_neon(const uint32x4_t words[2], const int s, float32x4_t f)
 {
-    const int32x4_t sh = vdupq_n_s32(-8 * (s % 4));     /* a negative count shifts right */
-    return vmulq_f32(vcvtq_f32_u32(vandq_u32(vshlq_u32(words[s / 4], sh), vdupq_n_u32(0xff))), f);
+    static const uint8_t byte_of[2][16] = {
+        {1, 255, 255, 255, 5, 255, 255, 255, 9, 255, 255, 255, 13, 255, 255, 255},
+        {2, 255, 255, 255, 6, 255, 255, 255, 10, 255, 255, 255, 14, 255, 255, 255}};
+    const uint32x4_t w = words[s / 4];
+    const uint32x4_t b = s % 4 == 0 ? vandq_u32(w, vdupq_n_u32(0xff))
+                       : s % 4 == 3 ? vshrq_n_u32(w, 24)
+                       : vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(w),
+                                                         vld1q_u8(byte_of[s % 4 - 1])));
+    return vmulq_f32(vcvtq_f32_u32(b), f);
 }
 
 KS_INLINE void ks_kq_lane_scales(const int R, const uint8_t *const wp[8], int64_t off,
