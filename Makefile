@@ -63,6 +63,14 @@ bench-contention: build
 bench-30b: build
 	$(PY) bench/moe30b.py --threads $(THREADS)
 
+# Both engines as the A76 runs them, by the aarch64 instructions they execute under qemu (no
+# board needed; cross-builds llama.cpp once; bench/README.md)
+.PHONY: bench-arm64
+bench-arm64: $(VENV)/.deps
+	SMOLLM2=$(SMOLLM2) $(ARM64) prepare $(PY)
+	$(ARM64) build $(PY)
+	$(PY) bench/arm64_vs_llamacpp.py
+
 # Qwen3-VL: one 448x448 image + a question on a random Qwen3-VL-2B-shaped model (bench/README.md)
 .PHONY: bench-vision
 bench-vision: build

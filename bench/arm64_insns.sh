@@ -2,13 +2,13 @@
 # Instructions a weight x activation product executes on aarch64 with sdot (the A76 build's
 # flags), per (row, token, 32-value block), on rows as the GGUF lays them out and on the
 # loader's 4-row interleaved groups: the work, not the speed (qemu is no A76; on a board,
-# bench/kernels.py times both layouts). Counted by qemu-user with one instruction per
-# translation block and every block's execution logged, less a run that skips the product.
+# bench/kernels.py times both layouts). Counted by bench/arm64_vs_llamacpp.py --count (qemu-user
+# with the counting plugin bench/qemu_insn_marks.c), less a run that skips the product.
 #
 #   bench/arm64_insns.sh [N ...]     token counts (default: 1 for decode, 32 for prefill)
 #
-# Needs gcc-aarch64-linux-gnu, qemu-user-static and the arm64 root of scripts/arm64-env.sh
-# (`make test-arm64` makes it) for the static libc.
+# Needs gcc-aarch64-linux-gnu and the arm64 root of scripts/arm64-env.sh (`make test-arm64`
+# makes it) for the static libc; PYTHON (default .venv/bin/python) runs the counter.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${KESTREL_ARM64_CACHE:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/kestrel-arm64}
@@ -19,20 +19,23 @@ trap 'rm -rf "$(dirname "$BIN")"' EXIT
 aarch64-linux-gnu-gcc -O3 -march=armv8.2-a+dotprod+fp16 --sysroot="$ROOT" -I"$REPO/pyx" \
     -static "$REPO/bench/arm64_insns.c" -o "$BIN" -lm
 
-count() {    # executed instructions of: $BIN TYPE LAYOUT N
-    qemu-aarch64-static -cpu cortex-a76 -singlestep -d nochain,exec -D /dev/stdout "$BIN" "$@" \
-        2>/dev/null | grep -c '^Trace'
+PYTHON=${PYTHON:-$REPO/.venv/bin/python}
+count() {    # "ALL SIMD" instructions executed by: $BIN TYPE LAYOUT N
+    "$PYTHON" "$REPO/bench/arm64_vs_llamacpp.py" --count "$BIN" "$@" 2>/dev/null
 }
 
 tokens=("$@")
 [ ${#tokens[@]} -gt 0 ] || tokens=(1 32)
-echo "instructions per (row, token, block): rows -> 4-row interleaved groups (ratio)"
+echo "instructions per (row, token, block), all / SIMD and FP data processing: rows -> 4-row"
+echo "interleaved groups (ratios)"
 for n in "${tokens[@]}"; do
     for t in Q4_0:2 Q4_1:3 Q5_0:6 Q8_0:8 Q4_K:12 Q5_K:13 Q6_K:14; do
         name=${t%%:*} id=${t#*:}
         base=$(count "$id" 0 "$n") rows=$(count "$id" 1 "$n") il=$(count "$id" 2 "$n")
-        awk -v name="$name" -v n="$n" -v b="$base" -v r="$rows" -v i="$il" 'BEGIN {
+        echo "$base $rows $il" | awk -v name="$name" -v n="$n" '{
             u = 64 * n * 64      # M rows x n tokens x K/32 blocks
-            printf "n=%-3d %-5s %6.2f -> %6.2f (%.2f)\n", n, name, (r - b) / u, (i - b) / u, (i - b) / (r - b) }'
+            ra = ($3 - $1) / u; rs = ($4 - $2) / u; ia = ($5 - $1) / u; is = ($6 - $2) / u
+            printf "n=%-3d %-5s %6.2f / %5.2f -> %6.2f / %5.2f (%.2f / %.2f)\n",
+                   n, name, ra, rs, ia, is, ia / ra, is / rs }'
     done
 done

@@ -19,10 +19,16 @@ these counts roughly (not exactly: instructions differ in cost, and cache misses
 counted). Decode on 4 A76 cores is bound by DRAM for both engines, so a lower count there is
 headroom, not speed. On a board, bench/README.md's "On an RK3588" times the real thing.
 
-Needs `make test-arm64`'s arm64 root and the kernels built for it (`scripts/arm64-env.sh build`),
-g++-aarch64-linux-gnu and cmake. Made once into $KESTREL_ARM64_CACHE/bench (default
-~/.cache/kestrel-arm64/bench): Debian's dynamic qemu-user (which loads plugins; the static one
-the tests use cannot), the plugin, and llama.cpp cross-compiled (about 10 minutes on 2 cores).
+Needs `make test-arm64`'s arm64 root and the kernels built for it (`scripts/arm64-env.sh build`;
+`make bench-arm64` does both, then runs this). Made once into $KESTREL_ARM64_CACHE/bench
+(default ~/.cache/kestrel-arm64/bench): Debian's dynamic qemu-user (which loads plugins; the
+static one the tests use cannot), the plugin, and llama.cpp cross-compiled (about 10 minutes on
+2 cores; g++-aarch64-linux-gnu and cmake are installed if missing).
+
+    .venv/bin/python bench/arm64_vs_llamacpp.py --count PROGRAM [ARGS...]
+
+runs any aarch64 program under the same counting qemu and prints "ALL SIMD": what it executed
+(bench/arm64_insns.sh counts single products so).
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ sys.path.insert(1, os.path.join(REPO, "bench"))
 
 A76_ARCH = "armv8.2-a+dotprod+fp16"
 PYPI = "https://pypi.org/simple"
-DEFAULT_MODELS = "smollm2:Q4_0,smollm2:Q4_K_M,qwen3-0.6b:Q4_0,qwen3-0.6b:Q4_K_M"
+DEFAULT_MODELS = "smollm2:Q4_0,smollm2:Q4_K_M,qwen3-0.6b:Q4_0,qwen3-0.6b:Q4_K_M,qwen3moe:Q4_K_M"
 GUEST_VENV = "/opt/kestrel-venv/lib/python3.11/site-packages"   # scripts/arm64-env.sh's venv
 
 
@@ -132,6 +138,11 @@ def llama_cpp_a76(work: str, version: str) -> tuple:
     # llama_cpp imports diskcache (pure Python), which the test venv does not have
     with zipfile.ZipFile(pypi_file("diskcache", "-py3-none-any.whl", top)) as z:
         z.extractall(pydir)
+    if not shutil.which("aarch64-linux-gnu-g++"):
+        run(["apt-get", "install", "-y", "-qq", "--no-install-recommends",
+             "g++-aarch64-linux-gnu"], os.path.join(top, "apt.log"))
+    if not shutil.which("cmake"):
+        run([sys.executable, "-m", "pip", "install", "-q", "cmake"], os.path.join(top, "pip.log"))
     build = os.path.join(top, "build")
     run(["cmake", "-S", os.path.join(src, "vendor", "llama.cpp"), "-B", build,
          "-DCMAKE_SYSTEM_NAME=Linux", "-DCMAKE_SYSTEM_PROCESSOR=aarch64",
@@ -201,7 +212,7 @@ def count(engine: str, path: str, args, tools: dict) -> dict:
                "--guest", engine, "--model", path,
                "--prefill", str(args.prefill), "--decode", str(args.decode)]
         run(cmd, os.path.join(tools["work"], f"guest-{engine}.log"), env=env)
-        marked = [line.split() for line in open(marks)]
+        marked = [line.split() for line in open(marks)][:-1]     # the last: at exit
         if len(marked) != 4:
             raise SystemExit(f"arm64_vs_llamacpp: {engine}: {len(marked)} marks, expected 4")
         out = {}
@@ -262,13 +273,34 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also print each engine's N functions that execute most (prefill and "
                         "decode together)")
+    p.add_argument("--count", nargs=argparse.REMAINDER, metavar="PROGRAM",
+                   help="only run the aarch64 PROGRAM [ARGS...] under the counting qemu and "
+                        "print the instructions it executed: all, SIMD (bench/arm64_insns.sh)")
     p.add_argument("--guest", choices=["kestrel", "llama.cpp"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
+def count_program(cmd: list) -> str:
+    """"ALL SIMD": the instructions the aarch64 program cmd executes, as an A76 (-cpu
+    cortex-a76), by the plugin's count at its exit."""
+    work = cache_dir()
+    os.makedirs(work, exist_ok=True)
+    qemu, qemu_libs = qemu_user(work)
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        out = os.path.join(tmp, "counts")
+        subprocess.run([qemu, "-U", "LD_LIBRARY_PATH", "-cpu", "cortex-a76",
+                        "-plugin", f"{plugin(work)},out={out}"] + cmd,
+                       env=dict(os.environ, LD_LIBRARY_PATH=qemu_libs), check=True,
+                       stdout=sys.stderr)      # stdout: the counts alone
+        return open(out).read().split("\n")[-2]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.count:
+        print(count_program(args.count))
+        return 0
     if args.guest:
         guest(args.guest, args.model, args.prefill, args.decode)
         return 0

@@ -1,9 +1,10 @@
 /* A qemu-user TCG plugin (plugin API 1, qemu 7.2) for bench/arm64_vs_llamacpp.py: counts the
  * aarch64 guest instructions executed, all of them and those of the "SIMD and floating-point
  * data processing" encoding class (the work of the vector pipes: sdot, shifts, fmla..., not
- * loads or stores), and at every getppid() syscall the guest makes appends the two counts so
- * far ("ALL SIMD") to the file given as out=PATH. The guest marks the edges of the work it
- * measures with os.getppid(), so one process can count its load, prefill and decode apart.
+ * loads or stores), and at every getppid() syscall the guest makes, and at its exit, appends
+ * the two counts so far ("ALL SIMD") to the file given as out=PATH. The guest marks the edges
+ * of the work it measures with os.getppid(), so one process can count its load, prefill and
+ * decode apart.
  * One counter for the process, added to inline per translation block: exact with one guest
  * thread (the benchmark runs both engines on one thread), racy with more. With blocks=PATH it
  * also writes, at exit, each translated block's guest address and the instructions it executed
@@ -95,9 +96,21 @@ static void on_translate(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
     }
 }
 
-static void write_blocks(qemu_plugin_id_t id, void *userdata)
+static void write_counts(void)
+{
+    FILE *f = fopen(out_path, "a");
+    if (f) {
+        fprintf(f, "%" PRIu64 " %" PRIu64 "\n", executed, executed_simd);
+        fclose(f);
+    }
+}
+
+static void at_exit(qemu_plugin_id_t id, void *userdata)
 {
     (void)id; (void)userdata;
+    write_counts();
+    if (!blocks_path)
+        return;
     FILE *f = fopen(blocks_path, "w");
     if (!f)
         return;
@@ -122,11 +135,7 @@ static void on_syscall(qemu_plugin_id_t id, unsigned int vcpu, int64_t num, uint
     if (marks++ == 0)
         for (size_t i = 0; i < n_blocks; i++)
             chunks[i / CHUNK][i % CHUNK].executed = chunks[i / CHUNK][i % CHUNK].executed_simd = 0;
-    FILE *f = fopen(out_path, "a");
-    if (f) {
-        fprintf(f, "%" PRIu64 " %" PRIu64 "\n", executed, executed_simd);
-        fclose(f);
-    }
+    write_counts();
 }
 
 __attribute__((visibility("default")))
@@ -144,7 +153,6 @@ int qemu_plugin_install(qemu_plugin_id_t id, const qemu_info_t *info, int argc, 
     }
     qemu_plugin_register_vcpu_tb_trans_cb(id, on_translate);
     qemu_plugin_register_vcpu_syscall_cb(id, on_syscall);
-    if (blocks_path)
-        qemu_plugin_register_atexit_cb(id, write_blocks, NULL);
+    qemu_plugin_register_atexit_cb(id, at_exit, NULL);
     return 0;
 }
