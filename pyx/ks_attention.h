@@ -92,7 +92,8 @@ static inline int64_t ks_attn_scratch_floats(int nq, int hd, int kv_bs)
 typedef float ks_v16 __attribute__((vector_size(64)));
 typedef float ks_v16_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t ks_v16i __attribute__((vector_size(64)));
-KS_DEFINE_EXP(ks_v16_exp, ks_v16, ks_v16i)
+static inline ks_v16i ks_v16_lt(ks_v16 a, ks_v16 b) { return a < b; }
+KS_DEFINE_EXP(ks_v16_exp, ks_v16, ks_v16i, ks_v16_lt)
 #define KS_AV ks_v16
 #define KS_AP 2
 #define KS_AV_LOAD(p) (*(const ks_v16_unaligned *)(p))

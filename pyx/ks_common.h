@@ -149,7 +149,25 @@ static inline ks_v8 ks_v8_select(ks_v8i mask, ks_v8 a, ks_v8 b)
     return (ks_v8)((mask & (ks_v8i)a) | (~mask & (ks_v8i)b));
 }
 
-static inline ks_v8 ks_v8_max(ks_v8 a, ks_v8 b) { return ks_v8_select(a > b, a, b); }
+/* a < b lane by lane, as all-ones / zero int lanes. GCC lowers a comparison of these 8-float
+ * vectors lane by lane in general registers where vectors are 128 bits wide (NEON); the two
+ * halves compared by NEON give the same masks. */
+static inline ks_v8i ks_v8_lt(ks_v8 a, ks_v8 b)
+{
+#if defined(KS_NEON) || defined(KS_NEON_DOT)
+    float32x4_t h[4];
+    memcpy(h, &a, sizeof a);
+    memcpy(h + 2, &b, sizeof b);
+    const uint32x4_t m[2] = {vcltq_f32(h[0], h[2]), vcltq_f32(h[1], h[3])};
+    ks_v8i r;
+    memcpy(&r, m, sizeof r);
+    return r;
+#else
+    return a < b;
+#endif
+}
+
+static inline ks_v8 ks_v8_max(ks_v8 a, ks_v8 b) { return ks_v8_select(ks_v8_lt(b, a), a, b); }
 
 static inline ks_v8 ks_v8_abs(ks_v8 v) { return (ks_v8)((ks_v8i)v & 0x7fffffff); }
 
@@ -195,27 +213,37 @@ static inline float ks_absmax(const float *x, int n)
 }
 
 /* q[0..8) = (int8) ks_round_half_away(v) lane by lane, for |v| <= 127.5: trunc through int32 is
- * exact there, so this equals the scalar rounding. */
+ * exact there, so this equals the scalar rounding. NEON's fcvtas rounds half away from zero
+ * itself (GCC would build the generic code's comparisons and 8 stores lane by lane). */
 static inline void ks_v8_round_i8(ks_v8 v, int8_t *q)
 {
+#if defined(KS_NEON) || defined(KS_NEON_DOT)
+    float32x4_t h[2];
+    memcpy(h, &v, sizeof v);
+    const int16x8_t w = vcombine_s16(vmovn_s32(vcvtaq_s32_f32(h[0])),
+                                     vmovn_s32(vcvtaq_s32_f32(h[1])));
+    vst1_s8(q, vmovn_s16(w));
+#else
     const ks_v8i ti = __builtin_convertvector(v, ks_v8i);
     const ks_v8 frac = v - __builtin_convertvector(ti, ks_v8);
     const ks_v8i away = (ks_v8i)(ks_v8_abs(frac) >= 0.5f);     /* all ones where it rounds */
     const ks_v8i r = ti + (away & ((ks_v8i)(v < 0.0f) | 1));   /* +-1 in v's direction */
     for (int u = 0; u < 8; u++)
         q[u] = (int8_t)r[u];
+#endif
 }
 
 /* exp(x) for softmax weights and SiLU: Cephes polynomial, about 2 ulp on [-87, 88], exactly 0
  * below -87 (and for -inf), exp(88) above 88. Defined by KS_DEFINE_EXP for a float vector type
- * V and the int32 vector type VI of its width, so that every width computes the same bits. */
+ * V, the int32 vector type VI of its width and its lane comparison LT (a < b), so that every
+ * width computes the same bits. */
 #define KS_VSELECT(V, VI, mask, a, b) ((V)(((VI)(mask) & (VI)(a)) | (~(VI)(mask) & (VI)(b))))
-#define KS_DEFINE_EXP(name, V, VI)                                                            \
+#define KS_DEFINE_EXP(name, V, VI, LT)                                                        \
     static inline V name(V x)                                                                 \
     {                                                                                         \
         const V hi = (V){0} + 88.0f, lo = (V){0} - 87.0f;                                     \
-        V xc = KS_VSELECT(V, VI, x < lo, lo, x);                                              \
-        xc = KS_VSELECT(V, VI, xc > hi, hi, xc);                                              \
+        V xc = KS_VSELECT(V, VI, LT(x, lo), lo, x);                                           \
+        xc = KS_VSELECT(V, VI, LT(hi, xc), hi, xc);                                           \
         /* n = round(x / ln2) by the 1.5 * 2^23 trick */                                      \
         const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                  \
         const V r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;                             \
@@ -227,9 +255,9 @@ static inline void ks_v8_round_i8(ks_v8 v, int8_t *q)
         p = p * r + 5.0000001201e-1f;                                                         \
         p = p * r * r + r + 1.0f;                                                             \
         const VI e = (__builtin_convertvector(n, VI) + 127) << 23;                            \
-        return KS_VSELECT(V, VI, x < lo, (V){0}, p * (V)e);                                   \
+        return KS_VSELECT(V, VI, LT(x, lo), (V){0}, p * (V)e);                                \
     }
-KS_DEFINE_EXP(ks_v8_exp, ks_v8, ks_v8i)
+KS_DEFINE_EXP(ks_v8_exp, ks_v8, ks_v8i, ks_v8_lt)
 
 /* out = gate * sigmoid(gate) * up over n floats (out may be gate). */
 static inline void ks_swiglu(const float *gate, const float *up, float *out, int64_t n)

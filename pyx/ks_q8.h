@@ -26,10 +26,14 @@
 static inline void ks_q8_half_sums(const int8_t *restrict q, int64_t k, int16_t *restrict h)
 {
     for (int64_t i = 0; i < k / 16; i++) {
+#if defined(KS_NEON) || defined(KS_NEON_DOT)
+        h[i] = vaddlvq_s8(vld1q_s8(q + 16 * i));     /* one add across the vector, widened */
+#else
         int32_t s = 0;
         for (int e = 0; e < 16; e++)
             s += q[16 * i + e];
         h[i] = (int16_t)s;
+#endif
     }
 }
 

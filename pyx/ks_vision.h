@@ -81,7 +81,7 @@ static inline ks_v8 ks_v8_erfc_pos(ks_v8 a)
 static inline ks_v8 ks_v8_gelu_erf(ks_v8 x)
 {
     const ks_v8 tail = 0.5f * ks_v8_erfc_pos(ks_v8_abs(x) * 0.7071067811865475f);
-    return x * ks_v8_select(x < 0.0f, tail, 1.0f - tail);
+    return x * ks_v8_select(ks_v8_lt(x, ks_v8_set1(0.0f)), tail, 1.0f - tail);
 }
 
 /* out = gelu(x) over n floats, the erf form if use_erf, else the tanh form (out may be x). */
