@@ -164,26 +164,26 @@ def mark() -> None:
     os.getppid()
 
 
-def guest(engine: str, path: str, prefill: int, decode: int) -> None:
-    """Load, warm up, then a cold prefill of `prefill` tokens, a cold prefill of 16, and 16
-    tokens + `decode` steps, each between marks. One thread."""
+def guest(engine: str, path: str, prefill: int, decode: int, depth: int) -> None:
+    """Load, warm up, then a cold prefill of `prefill` tokens, a cold prefill of `depth`, and
+    `depth` tokens + `decode` steps, each between marks. One thread."""
     import numpy as np
     from vs_llamacpp import KestrelRunner, LlamaCppRunner, random_prompt
     if engine == "kestrel":
         from kestreld.kernels import K
-        runner = KestrelRunner(path, threads=1, max_seq=1024)
+        runner = KestrelRunner(path, threads=1, max_seq=max(1024, 2 * (prefill + depth)))
         print(f"kestrel: {K.__name__}, Q4_0 interleave {K.interleaves(2)}", flush=True)
     else:
-        runner = LlamaCppRunner(path, threads=1, n_ctx=1024, n_batch=512, flash_attn=True,
-                                extra_buffer_types=True)
+        runner = LlamaCppRunner(path, threads=1, n_ctx=max(1024, 2 * (prefill + depth)),
+                                n_batch=512, flash_attn=True, extra_buffer_types=True)
     rng = np.random.default_rng(0)
     runner.decode(random_prompt(rng, 16, runner.vocab), 2)    # warm-up
     mark()
     runner.prefill(random_prompt(rng, prefill, runner.vocab))
     mark()
-    runner.prefill(random_prompt(rng, 16, runner.vocab))
+    runner.prefill(random_prompt(rng, depth, runner.vocab))
     mark()
-    runner.decode(random_prompt(rng, 16, runner.vocab), decode + 1)
+    runner.decode(random_prompt(rng, depth, runner.vocab), decode + 1)
     mark()
     if os.environ.get("KESTREL_GUEST_MAPS"):     # for --profile: where the libraries lie
         shutil.copyfile("/proc/self/maps", os.environ["KESTREL_GUEST_MAPS"])
@@ -210,7 +210,8 @@ def count(engine: str, path: str, args, tools: dict) -> dict:
                "-plugin", plugin_args,
                os.path.join(root, "usr/bin/python3.11"), os.path.abspath(__file__),
                "--guest", engine, "--model", path,
-               "--prefill", str(args.prefill), "--decode", str(args.decode)]
+               "--prefill", str(args.prefill), "--decode", str(args.decode),
+               "--depth", str(args.depth)]
         run(cmd, os.path.join(tools["work"], f"guest-{engine}.log"), env=env)
         marked = [line.split() for line in open(marks)][:-1]     # the last: at exit
         if len(marked) != 4:
@@ -270,6 +271,8 @@ def parse_args(argv=None):
                    help=f"as bench/vs_llamacpp.py's (default {DEFAULT_MODELS})")
     p.add_argument("--prefill", type=int, default=64, help="prompt tokens (default 64)")
     p.add_argument("--decode", type=int, default=8, help="decode steps (default 8)")
+    p.add_argument("--depth", type=int, default=16,
+                   help="the context the decode steps follow, in tokens (default 16)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also print each engine's N functions that execute most (prefill and "
                         "decode together)")
@@ -302,7 +305,7 @@ def main(argv=None) -> int:
         print(count_program(args.count))
         return 0
     if args.guest:
-        guest(args.guest, args.model, args.prefill, args.decode)
+        guest(args.guest, args.model, args.prefill, args.decode, args.depth)
         return 0
     from vs_llamacpp import LLAMA_CPP_VERSION, model_path
     from kestreld.service.config import default_cache_dir
@@ -313,7 +316,7 @@ def main(argv=None) -> int:
     tools = {"root": arm64_root(), "work": work, "qemu": qemu, "qemu_libs": qemu_libs,
              "plugin": plugin(work), "llama_py": llama_py, "llama_libs": llama_libs}
     print(f"aarch64 instructions per token under qemu -cpu cortex-a76, 1 thread; prefill of "
-          f"{args.prefill} tokens (cold), decode: {args.decode} steps after 16 tokens; "
+          f"{args.prefill} tokens (cold), decode: {args.decode} steps after {args.depth} tokens; "
           f"llama.cpp {LLAMA_CPP_VERSION} built for {A76_ARCH}, repacking on")
     print("Millions of instructions per token, all / SIMD and FP data processing only; the "
           "ratio is llama.cpp's over Kestrel's (above 1: Kestrel does less)")
