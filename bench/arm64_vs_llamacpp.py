@@ -10,8 +10,8 @@ llama-cpp-python's own source for armv8.2-a+dotprod+fp16 (what `GGML_NATIVE` giv
 RK3588's A76 cores), its repacking on (on a dotprod CPU it repacks Q4_0 to 4x4 and the K types
 to 8x4 groups). A qemu plugin (bench/qemu_insn_marks.c) counts the guest's instructions; the
 guest marks load, a cold prefill of P tokens, and D decode steps apart with getppid(). Reported:
-instructions per prefill token and per decode step, and llama.cpp's count over Kestrel's (above
-1: Kestrel does less work). Everything a token costs is in it: Python orchestration, sampling,
+instructions per prefill token and per decode step, all and SIMD / floating-point data
+processing apart, and llama.cpp's count over Kestrel's (above 1: Kestrel does less work). Everything a token costs is in it: Python orchestration, sampling,
 attention, the products.
 
 What it says of speed: prefill on an A76 is bound by its two SIMD pipes, so its time follows
