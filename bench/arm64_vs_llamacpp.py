@@ -11,8 +11,8 @@ RK3588's A76 cores), its repacking on (on a dotprod CPU it repacks Q4_0 to 4x4 a
 to 8x4 groups). A qemu plugin (bench/qemu_insn_marks.c) counts the guest's instructions; the
 guest marks load, a cold prefill of P tokens, and D decode steps apart with getppid(). Reported:
 instructions per prefill token and per decode step, all and SIMD / floating-point data
-processing apart, and llama.cpp's count over Kestrel's (above 1: Kestrel does less work). Everything a token costs is in it: Python orchestration, sampling,
-attention, the products.
+processing apart, and llama.cpp's count over Kestrel's (above 1: Kestrel does less work).
+Everything a token costs is in it: Python orchestration, sampling, attention, the products.
 
 What it says of speed: prefill on an A76 is bound by its two SIMD pipes, so its time follows
 these counts roughly (not exactly: instructions differ in cost, and cache misses are not
@@ -192,26 +192,32 @@ def guest(engine: str, path: str, prefill: int, decode: int, depth: int) -> None
 # ---------------------------------------------------------------- the host side
 
 
+def counting_qemu(qemu: str, qemu_libs: str, plugin_args: str, **env) -> tuple:
+    """(command prefix, environment) that run an aarch64 program as an A76 under qemu with the
+    counting plugin (plugin_args: its path and options); env: more for the guest."""
+    return ([qemu, "-U", "LD_LIBRARY_PATH", "-cpu", "cortex-a76", "-plugin", plugin_args],
+            dict(os.environ, LD_LIBRARY_PATH=qemu_libs, **env))   # qemu's own libraries
+
+
 def count(engine: str, path: str, args, tools: dict) -> dict:
-    """Instructions per prefill token and per decode step of one engine on one file; with
-    args.profile, also "profile": [(instructions, symbol)] of the measured work, most first."""
+    """Instructions per prefill token and per decode step of one engine on one file, all and
+    SIMD ("prefill", "prefill SIMD", ...); with args.profile, also "profile" (profile's) of the
+    measured work."""
     root = tools["root"]
     with tempfile.TemporaryDirectory(dir=tools["work"]) as tmp:
         marks, blocks, maps = (os.path.join(tmp, n) for n in ("marks", "blocks", "maps"))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                       [GUEST_VENV, tools["llama_py"], REPO, os.path.join(REPO, "bench")]),
-                   LLAMA_CPP_LIB_PATH=tools["llama_libs"], OMP_NUM_THREADS="1",
-                   LD_LIBRARY_PATH=tools["qemu_libs"])
         plugin_args = f"{tools['plugin']},out={marks}"
+        guest_env = {"PYTHONPATH": os.pathsep.join(
+                         [GUEST_VENV, tools["llama_py"], REPO, os.path.join(REPO, "bench")]),
+                     "LLAMA_CPP_LIB_PATH": tools["llama_libs"], "OMP_NUM_THREADS": "1"}
         if args.profile:
             plugin_args += f",blocks={blocks}"
-            env["KESTREL_GUEST_MAPS"] = maps
-        cmd = [tools["qemu"], "-U", "LD_LIBRARY_PATH", "-L", root, "-cpu", "cortex-a76",
-               "-plugin", plugin_args,
-               os.path.join(root, "usr/bin/python3.11"), os.path.abspath(__file__),
-               "--guest", engine, "--model", path,
-               "--prefill", str(args.prefill), "--decode", str(args.decode),
-               "--depth", str(args.depth)]
+            guest_env["KESTREL_GUEST_MAPS"] = maps
+        prefix, env = counting_qemu(tools["qemu"], tools["qemu_libs"], plugin_args, **guest_env)
+        cmd = prefix + ["-L", root, os.path.join(root, "usr/bin/python3.11"),
+                        os.path.abspath(__file__), "--guest", engine, "--model", path,
+                        "--prefill", str(args.prefill), "--decode", str(args.decode),
+                        "--depth", str(args.depth)]
         run(cmd, os.path.join(tools["work"], f"guest-{engine}.log"), env=env)
         marked = [line.split() for line in open(marks)][:-1]     # the last: at exit
         if len(marked) != 4:
@@ -292,11 +298,10 @@ def count_program(cmd: list) -> str:
     qemu, qemu_libs = qemu_user(work)
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         out = os.path.join(tmp, "counts")
-        subprocess.run([qemu, "-U", "LD_LIBRARY_PATH", "-cpu", "cortex-a76",
-                        "-plugin", f"{plugin(work)},out={out}"] + cmd,
-                       env=dict(os.environ, LD_LIBRARY_PATH=qemu_libs), check=True,
+        prefix, env = counting_qemu(qemu, qemu_libs, f"{plugin(work)},out={out}")
+        subprocess.run(prefix + cmd, env=env, check=True,
                        stdout=sys.stderr)      # stdout: the counts alone
-        return open(out).read().split("\n")[-2]
+        return open(out).read().splitlines()[-1]
 
 
 def main(argv=None) -> int:
