@@ -70,20 +70,85 @@ static inline int64_t ks_attn_scratch_floats(int nq, int hd, int kv_bs)
     return 2 * (int64_t)hd * kv_bs + KS_ATTN_QB * (kv_bs + 1) + (int64_t)nq * (2 * hd + 3);
 }
 
+/* r[i] = lane i of ks_v8_hsum8(p) */
+static inline void ks_v8_hsum8_to(float r[8], const ks_v8 p[8])
+{
+    const ks_v8 s = ks_v8_hsum8(p);
+    memcpy(r, &s, sizeof s);
+}
+
+#if defined(KS_NEON) || defined(KS_NEON_DOT)
+/* The core on NEON: 4 floats a vector, two to a key's 8 lane sums (lanes 0-3, then 4-7) */
+typedef float ks_v4 __attribute__((vector_size(16)));
+typedef int32_t ks_v4i __attribute__((vector_size(16)));
+typedef float ks_v4_unaligned __attribute__((vector_size(16), aligned(4), may_alias));
+typedef struct { ks_v4 lanes[2]; } ks_v4x2;     /* an 8-lane sum: lanes 0-3, lanes 4-7 */
+static inline ks_v4i ks_v4_lt(ks_v4 a, ks_v4 b) { return a < b; }
+KS_DEFINE_EXP(ks_v4_exp, ks_v4, ks_v4i, ks_v4_lt)
+
+/* r[i] = ks_v8_hsum8's lane i for the 8 slots p[2i] (lanes 0-3), p[2i + 1] (lanes 4-7):
+ * ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), by pairwise adds of NEON */
+static inline void ks_v4_hsum8(float r[8], const ks_v4 p[16])
+{
+    for (int i = 0; i < 8; i += 4) {
+        float32x4_t half[2];            /* the 4 slots' lanes 0-3 sums, lanes 4-7 sums */
+        for (int h = 0; h < 2; h++)
+            half[h] = vpaddq_f32(vpaddq_f32(p[2 * i + h], p[2 * i + 2 + h]),
+                                 vpaddq_f32(p[2 * i + 4 + h], p[2 * i + 6 + h]));
+        vst1q_f32(r + i, vaddq_f32(half[0], half[1]));
+    }
+}
+
+/* ks_v8_hsum of the 8-lane sum s: ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)) */
+static inline float ks_v4x2_hsum(ks_v4x2 s)
+{
+    const float32x4_t t = vaddq_f32(s.lanes[0], s.lanes[1]);
+    const float32x4_t u = vpaddq_f32(t, t);
+    return vgetq_lane_f32(u, 0) + vgetq_lane_f32(u, 1);
+}
+
+#define KS_AV ks_v4
+#define KS_AP 1
+#define KS_AH 2
+#define KS_AV_LOAD(p) (*(const ks_v4_unaligned *)(p))
+#define KS_AV_STORE(p, v) (*(ks_v4_unaligned *)(p) = (v))
+#define KS_AV_SET1(x) ((ks_v4)vdupq_n_f32(x))
+#define KS_AV_QLOAD(p) KS_AV_LOAD(p)
+#define KS_AV_IN_REG(v) ((void)0)
+#define KS_AV_SUMS 16
+#define KS_AV_MAX(a, b) ((ks_v4)vmaxq_f32(a, b))
+#define KS_AV_EXP(x) ks_v4_exp(x)
+#define KS_AV_HMAX(v) vmaxvq_f32(v)
+#define KS_AV_HSUM8(r, p, h) ks_v4_hsum8(r, p)
+#define KS_AS ks_v4x2
+#define KS_AS_ZERO ((ks_v4x2){{{0}}})
+#define KS_AS_ADD(s, v, c) ((s).lanes[(c) % 2] += (v))
+#define KS_AS_HSUM(s) ks_v4x2_hsum(s)
+#define KS_AN(name) name
+#include "ks_attn_core.h"
+
+#else
 /* The core at the baseline width: 8 floats a vector, one key each */
 #define KS_AV ks_v8
 #define KS_AP 1
+#define KS_AH 1
 #define KS_AV_LOAD(p) ks_v8_load(p)
 #define KS_AV_STORE(p, v) ks_v8_store(p, v)
 #define KS_AV_SET1(x) ks_v8_set1(x)
-#define KS_AV_DUP8(p) ks_v8_load(p)
-#define KS_AV_PART(v, h) (v)
+#define KS_AV_QLOAD(p) ks_v8_load(p)
 #define KS_AV_IN_REG(v) KS_IN_REG(v)
 #define KS_AV_SUMS 8
 #define KS_AV_MAX(a, b) ks_v8_max(a, b)
 #define KS_AV_EXP(x) ks_v8_exp(x)
+#define KS_AV_HMAX(v) ks_v8_hmax(v)
+#define KS_AV_HSUM8(r, p, h) ks_v8_hsum8_to(r, p)
+#define KS_AS ks_v8
+#define KS_AS_ZERO ks_v8_set1(0.0f)
+#define KS_AS_ADD(s, v, c) ((s) += (v))
+#define KS_AS_HSUM(s) ks_v8_hsum(s)
 #define KS_AN(name) name
 #include "ks_attn_core.h"
+#endif
 
 #if defined(KS_HAVE_VNNI)
 /* The core on AVX512 CPUs: 16 floats a vector (two keys in the scores), the same bits. */
@@ -94,17 +159,44 @@ typedef float ks_v16_unaligned __attribute__((vector_size(64), aligned(4), may_a
 typedef int32_t ks_v16i __attribute__((vector_size(64)));
 static inline ks_v16i ks_v16_lt(ks_v16 a, ks_v16 b) { return a < b; }
 KS_DEFINE_EXP(ks_v16_exp, ks_v16, ks_v16i, ks_v16_lt)
+
+/* part h (floats 8h .. 8h + 7) of v */
+static inline ks_v8 ks_v16_part(ks_v16 v, int h)
+{
+    return (ks_v8)_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)v), h);
+}
+
+/* r[i] = ks_v8_hsum8's lane i over part h of the 8 vectors p */
+static inline void ks_v16_hsum8(float r[8], const ks_v16 p[8], int h)
+{
+    ks_v8 ph[8];
+    for (int i = 0; i < 8; i++)
+        ph[i] = ks_v16_part(p[i], h);
+    ks_v8_hsum8_to(r, ph);
+}
+
+static inline float ks_v16_hmax(ks_v16 v)
+{
+    return ks_v8_hmax(ks_v8_max(ks_v16_part(v, 0), ks_v16_part(v, 1)));
+}
+
 #define KS_AV ks_v16
 #define KS_AP 2
+#define KS_AH 1
 #define KS_AV_LOAD(p) (*(const ks_v16_unaligned *)(p))
 #define KS_AV_STORE(p, v) (*(ks_v16_unaligned *)(p) = (v))
 #define KS_AV_SET1(x) ((ks_v16)_mm512_set1_ps(x))
-#define KS_AV_DUP8(p) ((ks_v16)_mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(p)))))
-#define KS_AV_PART(v, h) ((ks_v8)_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)(v)), h))
+#define KS_AV_QLOAD(p) ((ks_v16)_mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(p)))))
 #define KS_AV_IN_REG(v) __asm__("" : "+v"(v))
 #define KS_AV_SUMS 16
 #define KS_AV_MAX(a, b) ((ks_v16)_mm512_max_ps((__m512)(a), (__m512)(b)))
 #define KS_AV_EXP(x) ks_v16_exp(x)
+#define KS_AV_HMAX(v) ks_v16_hmax(v)
+#define KS_AV_HSUM8(r, p, h) ks_v16_hsum8(r, p, h)
+#define KS_AS ks_v8
+#define KS_AS_ZERO ks_v8_set1(0.0f)
+#define KS_AS_ADD(s, v, c) ((s) += ks_v16_part(v, 0), (s) += ks_v16_part(v, 1))
+#define KS_AS_HSUM(s) ks_v8_hsum(s)
 #define KS_AN(name) name##_wide
 #include "ks_attn_core.h"
 #pragma GCC pop_options

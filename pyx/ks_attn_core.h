@@ -1,61 +1,70 @@
 /* Kestrel kernels: the attention core (scores, softmax, values, a tile of queries, a range of
- * keys), written once for two vector widths (no Python here). ks_attention.h includes it twice:
- *   KS_AP 1: vectors of 8 floats (ks_v8), one key per vector (AVX2, NEON, plain builds);
- *   KS_AP 2: vectors of 16 floats (ks_v16), two keys per vector, compiled for AVX512 and
- *            taken at run time where the CPU has it (ks_use_vnni).
- * What the includer defines: KS_AV (the vector type), KS_AP (keys per vector), KS_AV_LOAD(p),
- * KS_AV_STORE(p, v), KS_AV_SET1(x), KS_AV_DUP8(p) (the 8 floats at p in every part),
- * KS_AV_PART(v, h) (part h as ks_v8), KS_AV_IN_REG(v) (as KS_IN_REG), KS_AV_SUMS (how many
- * value sums fit the registers: 8 of 16, 16 of 32), KS_AV_MAX(a, b), KS_AV_EXP(x) and
- * KS_AN(name) (the name of this instantiation's function); the end of this file undefines
- * them.
+ * keys), written once for three vector widths (no Python here). ks_attention.h includes it
+ * once or twice:
+ *   vectors of 8 floats (ks_v8), one key each in the scores (AVX2 and plain builds);
+ *   vectors of 4 floats (ks_v4) on NEON, two to a key's 8 lane sums: GCC keeps 8-float
+ *            vectors in memory on aarch64 wherever they live across a loop's iterations;
+ *   vectors of 16 floats (ks_v16), two keys each in the scores, compiled for AVX512 and taken
+ *            at run time where the CPU has it (ks_use_vnni).
+ * What the includer defines: KS_AV (the vector type), KS_AP (keys a vector holds in the
+ * scores: 1 or 2), KS_AH (vectors that hold one key's 8 lane sums: 1 or 2), KS_AV_LOAD(p),
+ * KS_AV_STORE(p, v), KS_AV_SET1(x), KS_AV_QLOAD(p) (the 8 / KS_AH query floats at p in each
+ * of the KS_AP parts), KS_AV_IN_REG(v) (as KS_IN_REG), KS_AV_SUMS (how many value sums fit
+ * the registers), KS_AV_MAX(a, b), KS_AV_EXP(x), KS_AV_HMAX(v) (its largest float),
+ * KS_AV_HSUM8(r, p, h) (r[i] = the pairwise sum of key slot i's 8 lane sums, part h, for the
+ * 8 slots of p: p[KS_AH * i .. KS_AH * i + KS_AH)), KS_AS (an 8-lane sum) with
+ * KS_AS_ZERO, KS_AS_ADD(s, v, c) (adds vector v, the c-th of a 16-float strip, in key order)
+ * and KS_AS_HSUM(s) (as ks_v8_hsum), and KS_AN(name) (the name of this instantiation's
+ * function); the end of this file undefines them.
  *
- * The arithmetic is the same for both: a score's lane sums are over d = e mod 8 whatever the
- * width (the wide vector holds two keys' 8 lane sums side by side, so each half is the narrow
- * vector's), a value's output floats and the softmax's exp are each computed alone, and the
- * softmax's sum goes 8 lanes at a time in key order at both widths. So the two give the same
- * bits (tests/test_kernels.py checks it), and tiles of queries do too (the arithmetic below is
- * per query; tiles only decide how many queries share the loads of one K or V vector: every
- * score, weight and output float of a query is computed by the same operations in the same
- * order whatever tile, QB = 1, 2 or 4 queries, it is part of). */
+ * The arithmetic is the same for all: a score's lane sums are over d = e mod 8 whatever the
+ * width (the wide vector holds two keys' 8 lane sums side by side, the narrow one half of
+ * a key's), a value's output floats and the softmax's exp are each computed alone, and the
+ * softmax's sum goes 8 lanes at a time in key order at every width. So they give the same
+ * bits (tests/test_kernels.py checks 8 against 16, make test-arm64 the golden logits), and
+ * tiles of queries do too (the arithmetic below is per query; tiles only decide how many
+ * queries share the loads of one K or V vector: every score, weight and output float of a
+ * query is computed by the same operations in the same order whatever tile, QB = 1, 2 or 4
+ * queries, it is part of). */
 
 /* sc[u * sc_stride + j] = q_u . k_j for the QB queries q (QB, hd) and keys j < n (n a multiple
  * of 16) of kf (the block's keys, KS_AP to a vector: key j's dims d..d+7 at
  * kf + (j - j % KS_AP) * hd + KS_AP * d + 8 * (j % KS_AP)): each score is the pairwise sum
  * (ks_v8_hsum8) of 8 lane sums, lane e summing q[d] * k[d] over d = e mod 8 in increasing d.
- * 8 / QB key vectors per step, so that the QB * (8 / QB) lane sums fill 8 registers. */
+ * 8 / QB key slots per step, so that the QB * (8 / QB) slots of lane sums fill 8 * KS_AH
+ * registers. */
 static inline __attribute__((always_inline))
 void KS_AN(ks_attn_scores)(const int QB, const float *restrict q, const float *restrict kf,
                            int hd, int n, float *restrict sc, int sc_stride)
 {
+    enum { L = 8 * KS_AP / KS_AH };     /* floats a vector */
     const int KB = 8 / QB;
     const float *qp[4];
     for (int u = 0; u < QB; u++)
         qp[u] = q + (int64_t)u * hd;
     for (int jb = 0; jb < n; jb += KB * KS_AP) {
-        KS_AV p[8] = {{0}};
+        KS_AV p[8 * KS_AH] = {{0}};
         const float *kp[8];
         for (int kk = 0; kk < KB; kk++)
             kp[kk] = kf + (int64_t)(jb + kk * KS_AP) * hd;
-        for (int64_t d = 0; d < hd; d += 8) {
-            KS_AV kv[8];
-            for (int kk = 0; kk < KB; kk++) {
-                kv[kk] = KS_AV_LOAD(kp[kk] + KS_AP * d);
-                if (QB > 1)
-                    KS_AV_IN_REG(kv[kk]);
+        for (int64_t d = 0; d < hd; d += 8)
+            for (int h = 0; h < KS_AH; h++) {     /* the vector of a key slot's lanes */
+                KS_AV kv[8];
+                for (int kk = 0; kk < KB; kk++) {
+                    kv[kk] = KS_AV_LOAD(kp[kk] + KS_AP * d + L * h);
+                    if (QB > 1)
+                        KS_AV_IN_REG(kv[kk]);
+                }
+                for (int u = 0; u < QB; u++) {
+                    KS_AV qv = KS_AV_QLOAD(qp[u] + d + L * h);
+                    KS_AV_IN_REG(qv);
+                    for (int kk = 0; kk < KB; kk++)
+                        p[(u * KB + kk) * KS_AH + h] += qv * kv[kk];
+                }
             }
-            for (int u = 0; u < QB; u++) {
-                KS_AV qv = KS_AV_DUP8(qp[u] + d);
-                KS_AV_IN_REG(qv);
-                for (int kk = 0; kk < KB; kk++)
-                    p[u * KB + kk] += qv * kv[kk];
-            }
-        }
         for (int h = 0; h < KS_AP; h++) {     /* part h of a vector: keys jb + kk * KS_AP + h */
-            ks_v8 ph[8];
-            for (int i = 0; i < 8; i++)
-                ph[i] = KS_AV_PART(p[i], h);
-            const ks_v8 r = ks_v8_hsum8(ph);
+            float r[8];
+            KS_AV_HSUM8(r, p, h);
             for (int u = 0; u < QB; u++)
                 for (int kk = 0; kk < KB; kk++)
                     sc[u * sc_stride + jb + kk * KS_AP + h] = r[u * KB + kk];
@@ -73,7 +82,7 @@ void KS_AN(ks_attn_values)(const int QB, const int W, float *restrict acc,
                            const float *restrict corr, const float *restrict w, int w_stride,
                            const float *restrict vf, int hd, int n)
 {
-    enum { L = 8 * KS_AP };     /* floats a vector */
+    enum { L = 8 * KS_AP / KS_AH };     /* floats a vector */
     const float *wp[4];
     for (int u = 0; u < QB; u++)
         wp[u] = w + (int64_t)u * w_stride;
@@ -118,7 +127,7 @@ float KS_AN(ks_attn_softmax_block)(float *restrict sc, int qn, int qn_pad,
                                    const float *restrict ks, const float *restrict vs,
                                    float *restrict m, float *restrict l)
 {
-    enum { L = 8 * KS_AP };
+    enum { L = 8 * KS_AP / KS_AH };
     for (int j = 0; j < qn; j++)
         sc[j] *= ks[j];
     for (int j = qn; j < qn_pad; j++)
@@ -126,19 +135,16 @@ float KS_AN(ks_attn_softmax_block)(float *restrict sc, int qn, int qn_pad,
     KS_AV vmax = KS_AV_SET1(*m);
     for (int j = 0; j < qn_pad; j += L)
         vmax = KS_AV_MAX(vmax, KS_AV_LOAD(sc + j));
-    ks_v8 vmax8 = KS_AV_PART(vmax, 0);
-    for (int h = 1; h < KS_AP; h++)
-        vmax8 = ks_v8_max(vmax8, KS_AV_PART(vmax, h));
-    const float mx = ks_v8_hmax(vmax8);
+    const float mx = KS_AV_HMAX(vmax);
     const float corr = expf(*m - mx);       /* 0 on the first block (m = -inf) */
-    ks_v8 vsum = ks_v8_set1(0.0f);
-    for (int j = 0; j < qn_pad; j += L) {
-        const KS_AV e = KS_AV_EXP(KS_AV_LOAD(sc + j) - mx);
-        for (int h = 0; h < KS_AP; h++)
-            vsum += KS_AV_PART(e, h);
-        KS_AV_STORE(sc + j, e);
-    }
-    *l = *l * corr + ks_v8_hsum(vsum);
+    KS_AS vsum = KS_AS_ZERO;
+    for (int j = 0; j < qn_pad; j += KS_ATTN_STRIP)
+        for (int c = 0; c < KS_ATTN_STRIP / L; c++) {
+            const KS_AV e = KS_AV_EXP(KS_AV_LOAD(sc + j + L * c) - mx);
+            KS_AS_ADD(vsum, e, c);
+            KS_AV_STORE(sc + j + L * c, e);
+        }
+    *l = *l * corr + KS_AS_HSUM(vsum);
     *m = mx;
     for (int j = 0; j < qn; j++)
         sc[j] *= vs[j];                     /* weight of value row j */
@@ -151,7 +157,7 @@ void KS_AN(ks_attn_values_fit)(const int QB, const int w_max, float *restrict ac
                                const float *restrict corr, const float *restrict w,
                                int w_stride, const float *restrict vf, int hd, int n)
 {
-    enum { L = 8 * KS_AP };
+    enum { L = 8 * KS_AP / KS_AH };
     if (w_max >= 8 && hd % (8 * L) == 0)
         KS_AN(ks_attn_values)(QB, 8, acc, corr, w, w_stride, vf, hd, n);
     else if (w_max >= 4 && hd % (4 * L) == 0)
@@ -213,13 +219,13 @@ static void KS_AN(ks_attn_range)(int nq, int hd, const float *restrict qs,
         const int nj_pad = (nj + S - 1) / S * S;
         /* the block as float: V rows as they are, K rows KS_AP to a vector (ks_attn_scores);
            rows past nj are zero so whole strips can be used */
-        for (int64_t e = 0; e < (int64_t)nj * hd; e += 8)
-            ks_v8_store(vf + e, ks_v8_of_i8(vq + (int64_t)j0 * hd + e));
+        ks_f32_of_i8(vf, vq + (int64_t)j0 * hd, (int64_t)nj * hd);
+        const int run = KS_AP == 1 ? hd : 8;    /* floats of a key K lies contiguously in kf */
         for (int j = 0; j < nj; j++) {
             const int8_t *kr = kq + (int64_t)(j0 + j) * hd;
             float *kd = kf + (int64_t)(j - j % KS_AP) * hd + 8 * (j % KS_AP);
-            for (int d = 0; d < hd; d += 8)
-                ks_v8_store(kd + KS_AP * d, ks_v8_of_i8(kr + d));
+            for (int d = 0; d < hd; d += run)
+                ks_f32_of_i8(kd + KS_AP * d, kr + d, run);
         }
         for (int64_t e = (int64_t)nj * hd; e < (int64_t)nj_pad * hd; e++)
             vf[e] = 0.0f;
@@ -261,13 +267,19 @@ static void KS_AN(ks_attn_range)(int nq, int hd, const float *restrict qs,
 /* the parameters go with this instantiation */
 #undef KS_AV
 #undef KS_AP
+#undef KS_AH
 #undef KS_AV_LOAD
 #undef KS_AV_STORE
 #undef KS_AV_SET1
-#undef KS_AV_DUP8
-#undef KS_AV_PART
+#undef KS_AV_QLOAD
 #undef KS_AV_IN_REG
 #undef KS_AV_SUMS
 #undef KS_AV_MAX
 #undef KS_AV_EXP
+#undef KS_AV_HMAX
+#undef KS_AV_HSUM8
+#undef KS_AS
+#undef KS_AS_ZERO
+#undef KS_AS_ADD
+#undef KS_AS_HSUM
 #undef KS_AN

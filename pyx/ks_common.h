@@ -120,26 +120,32 @@ typedef float ks_v8_unaligned __attribute__((vector_size(32), aligned(4), may_al
 static inline ks_v8 ks_v8_load(const float *p) { return *(const ks_v8_unaligned *)p; }
 static inline void ks_v8_store(float *p, ks_v8 v) { *(ks_v8_unaligned *)p = v; }
 
-/* the 8 int8 at p as floats (exact; spelled out per target: GCC builds the generic
- * conversion of an 8-byte vector lane by lane in general registers) */
-static inline ks_v8 ks_v8_of_i8(const int8_t *p)
+/* dst[0..n) = the n int8 at src as floats, n a multiple of 8 (exact; spelled out per target:
+ * GCC builds the generic conversion of an 8-byte vector lane by lane in general registers) */
+static inline void ks_f32_of_i8(float *restrict dst, const int8_t *restrict src, int64_t n)
 {
+    int64_t e = 0;
 #if defined(KS_AVX2)
-    return (ks_v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    for (; e < n; e += 8)
+        _mm256_storeu_ps(dst + e, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                      _mm_loadl_epi64((const __m128i *)(src + e)))));
 #elif defined(KS_NEON) || defined(KS_NEON_DOT)
-    const int16x8_t h = vmovl_s8(vld1_s8(p));
-    const float32x4_t lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
-    const float32x4_t hi = vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)));
-    ks_v8 r;
-    memcpy(&r, &lo, sizeof lo);
-    memcpy((char *)&r + sizeof lo, &hi, sizeof hi);
-    return r;
-#else
-    ks_v8 r;
-    for (int e = 0; e < 8; e++)
-        r[e] = (float)p[e];
-    return r;
+    for (; e + 16 <= n; e += 16) {
+        const int8x16_t b = vld1q_s8(src + e);
+        const int16x8_t h[2] = {vmovl_s8(vget_low_s8(b)), vmovl_high_s8(b)};
+        for (int i = 0; i < 2; i++) {
+            vst1q_f32(dst + e + 8 * i, vcvtq_f32_s32(vmovl_s16(vget_low_s16(h[i]))));
+            vst1q_f32(dst + e + 8 * i + 4, vcvtq_f32_s32(vmovl_high_s16(h[i])));
+        }
+    }
+    for (; e < n; e += 8) {
+        const int16x8_t h = vmovl_s8(vld1_s8(src + e));
+        vst1q_f32(dst + e, vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))));
+        vst1q_f32(dst + e + 4, vcvtq_f32_s32(vmovl_high_s16(h)));
+    }
 #endif
+    for (; e < n; e++)
+        dst[e] = (float)src[e];
 }
 static inline ks_v8 ks_v8_set1(float x) { return (ks_v8){x, x, x, x, x, x, x, x}; }
 

@@ -5,6 +5,7 @@ Integer results (quantization, the int8 KV, embedding rows) must match exactly (
 activation product of each weight type: test_quant_kernels.py); float kernels match float64 references within a tolerance and print their
 largest difference. Every kernel also gives the same bits with 1 and 2 threads.
 """
+import hashlib
 import platform
 import struct
 
@@ -462,6 +463,31 @@ def test_attention_wide_vectors_give_the_same_bits(n, pos0, n_heads, n_kv, hd, k
     if not on:
         pytest.skip("no AVX512-VNNI on this CPU: only the 8-float path exists here")
     np.testing.assert_array_equal(wide.view(np.uint32), narrow.view(np.uint32))
+
+
+# The first 16 hex digits of the sha256 of each ATTENTION_SHAPES case's output (run_attention,
+# 2 threads) as x86-64 computes it, AVX2 and AVX512 alike: aarch64's 4-float core must give
+# the same bits (make test-arm64 runs this as the A76 and the A72).
+X86_64_ATTENTION = {
+    (37, 101, 6, 2, 48, 32): "09fef1d29a1c5d10",
+    (70, 300, 16, 8, 128, 32): "459da489cdf18fdc",
+    (45, 260, 9, 3, 64, 32): "b266079f0d1e162f",
+    (33, 0, 8, 2, 32, 16): "cea455e4d1b3b8c6",
+    (1, 900, 16, 4, 64, 32): "2ac5850b06545896",
+    (19, 40, 4, 2, 80, 16): "a6f520338ca61489",
+}
+
+
+@ATTENTION_SHAPES
+def test_attention_gives_x86_64s_bits(n, pos0, n_heads, n_kv, hd, kv_bs):
+    """Each query's arithmetic is in a fixed order at every vector width, so attention gives
+    the same bits on every target."""
+    rng = np.random.default_rng(n * pos0 + hd)
+    kv = store_prompt(rng, pos0 + n, n_kv, hd, pos0 + n + 3)
+    q = rng.standard_normal((n, n_heads, hd)).astype(np.float32)
+    out = run_attention(q, kv, pos0, kv_bs, 2)
+    digest = hashlib.sha256(out.tobytes()).hexdigest()[:16]
+    assert digest == X86_64_ATTENTION[(n, pos0, n_heads, n_kv, hd, kv_bs)]
 
 
 def test_attention_rejects_bad_arguments():
