@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Instructions a weight x activation product executes on aarch64 with sdot (the A76 build's
-# flags), per (row, token, 32-value block), on rows as the GGUF lays them out and on the
+# Instructions a weight x activation product executes on aarch64 with sdot (setup.py's flags
+# for the A76 build), per (row, token, 32-value block), on rows as the GGUF lays them out and on the
 # loader's 4-row interleaved groups: the work, not the speed (qemu is no A76; on a board,
 # bench/kernels.py times both layouts). Counted by bench/arm64_vs_llamacpp.py --count (qemu-user
 # with the counting plugin bench/qemu_insn_marks.c), less a run that skips the product.
@@ -16,7 +16,7 @@ ROOT=$(ls -d "$CACHE"/root-* 2>/dev/null | head -1)
 [ -n "$ROOT" ] || { echo "arm64_insns: no arm64 root in $CACHE (run make test-arm64)" >&2; exit 1; }
 BIN=$(mktemp -d)/arm64_insns
 trap 'rm -rf "$(dirname "$BIN")"' EXIT
-aarch64-linux-gnu-gcc -O3 -march=armv8.2-a+dotprod+fp16 --sysroot="$ROOT" -I"$REPO/pyx" \
+aarch64-linux-gnu-gcc -O3 -fno-schedule-insns -march=armv8.2-a+dotprod+fp16 --sysroot="$ROOT" -I"$REPO/pyx" \
     -static "$REPO/bench/arm64_insns.c" -o "$BIN" -lm
 
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
