@@ -138,19 +138,20 @@ KS_INLINE void ks_b32_tile_il4(const int f, const int T, const uint8_t *g, const
 /* ---- Q4_K, Q5_K and Q6_K: 256-value superblocks ------------------------------------------- */
 
 /* The codes of activation block s of the group's superblock sbk: Q4_K / Q5_K's unsigned q of
- * sub-block s; Q6_K's q - 32. */
+ * sub-block s; Q6_K's 4 * (q - 32): the low nibble to bits 2-5, under the pair of high bits,
+ * stored ^ 2 (ks_il_code_xor), at bits 6-7. */
 KS_INLINE void ks_kq_codes_il4(const int kind, const uint8_t *sbk, const int s, int8x16_t c[8])
 {
     const uint8x16_t m4 = vdupq_n_u8(0x0F);
     if (kind == KS_KQ_Q6K) {
         const int h = s / 4, g = s % 4;
-        const int8x16_t hshift = vdupq_n_s8((int8_t)(4 - 2 * g));   /* bits 2g, 2g+1 to 4, 5 */
         for (int q = 0; q < 8; q++) {
             const uint8x16_t l = vld1q_u8(sbk + 4 * (64 * h + 32 * (g & 1) + 4 * q));
             const uint8x16_t hb = vld1q_u8(sbk + 4 * (128 + 32 * h + 4 * q));
-            const uint8x16_t q6 = vorrq_u8(g < 2 ? vandq_u8(l, m4) : vshrq_n_u8(l, 4),
-                                           vandq_u8(vshlq_u8(hb, hshift), vdupq_n_u8(0x30)));
-            c[q] = vsubq_s8(vreinterpretq_s8_u8(q6), vdupq_n_s8(32));
+            const uint8x16_t nib = g < 2 ? vshlq_n_u8(l, 4) : vandq_u8(l, vmvnq_u8(m4));
+            const uint8x16_t top = g == 0 ? vshlq_n_u8(hb, 6) : g == 1 ? vshlq_n_u8(hb, 4)
+                                 : g == 2 ? vshlq_n_u8(hb, 2) : hb;   /* bits 2g, 2g+1 */
+            c[q] = vreinterpretq_s8_u8(vsriq_n_u8(top, nib, 2));
         }
         return;
     }
@@ -223,7 +224,8 @@ KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, con
                     const int32x4_t lo = ks_il4_dot16(vdupq_n_s32(0), c, vld1q_s8(xb));
                     const int32x4_t hi = ks_il4_dot16(vdupq_n_s32(0), c + 4, vld1q_s8(xb + 16));
                     const int32x4_t isum = vmlaq_s32(vmulq_s32(lo, sc_lo), hi, sc_hi);
-                    acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(isum), vmulq_n_f32(ds, dx));
+                    /* the codes' factor 4 goes in the conversion's 2 fraction bits, exactly */
+                    acc[j] = vfmaq_f32(acc[j], vcvtq_n_f32_s32(isum, 2), vmulq_n_f32(ds, dx));
                 } else {
                     const int32x4_t isum = ks_il4_dot(vdupq_n_s32(0), c, xb);
                     acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(isum), vmulq_n_f32(ds, dx));

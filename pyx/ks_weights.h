@@ -140,13 +140,20 @@ static inline const uint8_t *ks_matrix_row(const ks_matrix *w, int e, int r)
  * field's size). A field at offset o of the block thus becomes one W-lane vector at W * o (fp16
  * scales, Q5_0's high bits, dwords of codes). Rows past the matrix's end are zero. */
 
-/* What the 4-byte fields of a type's groups of W rows are xor-ed with: Q4_0's 4-row groups
- * (the NEON dotprod tile's) hold their codes ^ 0x88, so that each nibble shifted to the top of
- * its byte is a signed (q - 8) * 16 and the tile needs no -8 * (activation sum) term
- * (llama.cpp's ARM repack of Q4_0 stores them so too). The same xor undoes it. */
-static inline uint32_t ks_il_code_xor(const ks_type_ops *t, const int W)
+/* What the 4-byte field at offset o of a block is xor-ed with in a type's groups of W rows. In
+ * the 4-row groups (the NEON dotprod tile's): Q4_0's codes ^ 0x88, so that each nibble shifted
+ * to the top of its byte is a signed (q - 8) * 16 and the tile needs no -8 * (activation sum)
+ * term (llama.cpp's ARM repack of Q4_0 stores them so too); Q6_K's high bits (bytes 128..191)
+ * ^ 0xAA, the top bit of each 2-bit pair, so that a 6-bit q made of them is q ^ 32, which read
+ * as signed is q - 32: shifted to the top of its byte, 4 * (q - 32) with no subtraction. The
+ * same xor undoes it. */
+static inline uint32_t ks_il_code_xor(const ks_type_ops *t, const int W, int o)
 {
-    return t->type == KS_TYPE_Q4_0 && W == 4 ? 0x88888888u : 0;
+    if (W != 4)
+        return 0;
+    if (t->type == KS_TYPE_Q4_0)
+        return 0x88888888u;
+    return t->type == KS_TYPE_Q6_K && o >= 128 && o < 192 ? 0xAAAAAAAAu : 0;
 }
 
 /* Rows i0 .. i1 - 1 of a group (W rows of nb blocks) between the rows' layout, row i at
@@ -157,7 +164,6 @@ static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb
 {
     const int B = t->block_bytes;
     const int64_t rb = (int64_t)nb * B;
-    const uint32_t x = ks_il_code_xor(t, W);
     if (!back && (i0 > 0 || i1 < W))
         memset(il, 0, (size_t)W * rb);
     for (int b = 0; b < nb; b++)
@@ -170,6 +176,7 @@ static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb
                 KS_IL_FIELD(2);
             for (; o + 4 <= B; o += 4) {
                 KS_IL_FIELD(4);
+                const uint32_t x = ks_il_code_xor(t, W, o);
                 if (x) {
                     uint8_t *f = back ? r + o : g + W * o + 4 * i;
                     uint32_t v;
