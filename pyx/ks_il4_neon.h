@@ -50,20 +50,21 @@ KS_INLINE float32x4_t ks_il4_fp16(const uint8_t *p)
 
 /* ---- Q4_0, Q4_1, Q5_0 and Q8_0: one 32-value block per field run --------------------------- */
 
-/* Lane i's 4 bytes = 16 where bits s..s+3 of lane i's qh are set (Q5_0's bit 4 of the values
- * whose low bits sit in one code dword) */
+/* Lane i's 4 bytes: all ones where bits s..s+3 of lane i's qh are set, else 0 (Q5_0's high bits
+ * of the values whose low bits sit in one code dword) */
 KS_INLINE uint8x16_t ks_il4_q5_bits(uint8x16_t qh, const int s)
 {
     static const uint8_t lane_byte[16] = {0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12};
     const uint8x16_t spread = vqtbl1q_u8(qh, vaddq_u8(vld1q_u8(lane_byte),
                                                       vdupq_n_u8((uint8_t)(s / 8))));
-    const uint8x16_t bit = vreinterpretq_u8_u32(vdupq_n_u32(0x08040201u << (s % 8)));
-    return vandq_u8(vtstq_u8(spread, bit), vdupq_n_u8(16));
+    return vtstq_u8(spread, vreinterpretq_u8_u32(vdupq_n_u32(0x08040201u << (s % 8))));
 }
 
 /* The codes of block blk of a group: Q8_0's as they lie; Q4_0's (q - 8) * 16 from its codes
- * ^ 0x88 (ks_il_code_xor); Q4_1, Q5_0's unsigned q; from the 4 dwords of packed nibbles (low
- * nibbles values 4q..4q+3, high ones 16+4q..16+4q+3). */
+ * ^ 0x88 (ks_il_code_xor); Q5_0's (q - 16) * 8: each nibble shifted in under its high bit,
+ * stored inverted (ks_il_code_xor), so that the 5 bits are q ^ 16, q - 16 read as signed;
+ * Q4_1's unsigned q. From the 4 dwords of packed nibbles (low nibbles values 4q..4q+3, high
+ * ones 16+4q..16+4q+3). */
 KS_INLINE void ks_b32_codes_il4(const int f, const uint8_t *blk, int8x16_t c[8])
 {
     if (f == KS_IL4_Q8_0) {
@@ -72,40 +73,43 @@ KS_INLINE void ks_b32_codes_il4(const int f, const uint8_t *blk, int8x16_t c[8])
         return;
     }
     const int Q = ks_q4x_qs_offset(f);
+    const uint8x16_t high = vdupq_n_u8(0xF0);
     if (f == KS_Q4X_Q4_0) {
         for (int q = 0; q < 4; q++) {
             const int8x16_t d = vld1q_s8((const int8_t *)blk + 4 * (Q + 4 * q));
             c[q] = vshlq_n_s8(d, 4);
-            c[q + 4] = vreinterpretq_s8_u8(vandq_u8(vreinterpretq_u8_s8(d), vdupq_n_u8(0xF0)));
+            c[q + 4] = vreinterpretq_s8_u8(vandq_u8(vreinterpretq_u8_s8(d), high));
         }
         return;
     }
-    const uint8x16_t low = vdupq_n_u8(15);
-    const uint8x16_t qh = f == KS_Q4X_Q5_0 ? vld1q_u8(blk + 4 * 2) : vdupq_n_u8(0);
+    if (f == KS_Q4X_Q5_0) {
+        const uint8x16_t qh = vld1q_u8(blk + 4 * 2);
+        for (int q = 0; q < 4; q++) {
+            const uint8x16_t d = vld1q_u8(blk + 4 * (Q + 4 * q));
+            c[q] = vreinterpretq_s8_u8(vsriq_n_u8(ks_il4_q5_bits(qh, 4 * q), vshlq_n_u8(d, 4), 1));
+            c[q + 4] = vreinterpretq_s8_u8(vsriq_n_u8(ks_il4_q5_bits(qh, 16 + 4 * q),
+                                                      vandq_u8(d, high), 1));
+        }
+        return;
+    }
     for (int q = 0; q < 4; q++) {
         const uint8x16_t d = vld1q_u8(blk + 4 * (Q + 4 * q));
-        uint8x16_t lo = vandq_u8(d, low), hi = vshrq_n_u8(d, 4);
-        if (f == KS_Q4X_Q5_0) {
-            lo = vorrq_u8(lo, ks_il4_q5_bits(qh, 4 * q));
-            hi = vorrq_u8(hi, ks_il4_q5_bits(qh, 16 + 4 * q));
-        }
-        c[q] = vreinterpretq_s8_u8(lo);
-        c[q + 4] = vreinterpretq_s8_u8(hi);
+        c[q] = vreinterpretq_s8_u8(vandq_u8(d, vdupq_n_u8(15)));
+        c[q + 4] = vreinterpretq_s8_u8(vshrq_n_u8(d, 4));
     }
 }
 
 /* res[j * 4 + i] = out value of the group g's row i, token j < T (tokens >= tv repeat the last
- * valid one), by ks_q8.h's / ks_q4.h's epilogue. xs (Q4_1, Q5_0): the tile's first token's
- * block sums, nb per token; Q5_0's sums start at -16 times them (the code offset), and Q4_1's m
- * term takes them. Q4_0's codes come 16 times over (ks_b32_codes_il4), and so its sums: the
- * fixed-point conversion's 4 fraction bits divide them back exactly. pf (or NULL): block b
- * prefetches its own bytes in the group at pf (the next group, as the one at g lies). */
+ * valid one), by ks_q8.h's / ks_q4.h's epilogue. xs (Q4_1): the tile's first token's block
+ * sums, nb per token, which its m term takes. Q4_0's and Q5_0's codes come 16 and 8 times over
+ * (ks_b32_codes_il4), and so their sums: the fixed-point conversion's fraction bits divide them
+ * back exactly. pf (or NULL): block b prefetches its own bytes in the group at pf (the next
+ * group, as the one at g lies). */
 KS_INLINE void ks_b32_tile_il4(const int f, const int T, const uint8_t *g, const int8_t *x,
                                const float *xd, const int32_t *xs, int tv, int nb, float *res,
                                const uint8_t *pf)
 {
     const int B = f == KS_IL4_Q8_0 ? KS_QBLOCK : ks_q4x_block_bytes(f);
-    const int off = f == KS_IL4_Q8_0 || f == KS_Q4X_Q4_0 ? 0 : ks_q4x_code_offset(f);
     const int8_t *xp[KS_IL4_TOKENS];
     const float *dp[KS_IL4_TOKENS];
     const int32_t *sp[KS_IL4_TOKENS];
@@ -122,13 +126,14 @@ KS_INLINE void ks_b32_tile_il4(const int f, const int T, const uint8_t *g, const
         const float32x4_t dw = ks_il4_fp16(blk);
         const float32x4_t dm = f == KS_Q4X_Q4_1 ? ks_il4_fp16(blk + 4 * 2) : vdupq_n_f32(0.0f);
         for (int j = 0; j < T; j++) {
-            const int32_t xsum = off || f == KS_Q4X_Q4_1 ? sp[j][b] : 0;
-            const int32x4_t s = ks_il4_dot(vdupq_n_s32(-off * xsum), c, xp[j] + b * KS_QK);
+            const int32x4_t s = ks_il4_dot(vdupq_n_s32(0), c, xp[j] + b * KS_QK);
             const float dx = dp[j][b];
-            const float32x4_t sf = f == KS_Q4X_Q4_0 ? vcvtq_n_f32_s32(s, 4) : vcvtq_f32_s32(s);
+            const float32x4_t sf = f == KS_Q4X_Q4_0   ? vcvtq_n_f32_s32(s, 4)
+                                 : f == KS_Q4X_Q5_0 ? vcvtq_n_f32_s32(s, 3)
+                                                    : vcvtq_f32_s32(s);
             acc[j] = vfmaq_f32(acc[j], sf, vmulq_n_f32(dw, dx));
             if (f == KS_Q4X_Q4_1)
-                acc[j] = vfmaq_f32(acc[j], vdupq_n_f32((float)xsum), vmulq_n_f32(dm, dx));
+                acc[j] = vfmaq_f32(acc[j], vdupq_n_f32((float)sp[j][b]), vmulq_n_f32(dm, dx));
         }
     }
     for (int j = 0; j < T; j++)
@@ -247,9 +252,9 @@ KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, con
 KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
-    /* the token block's activation block sums: int (Q4_1, Q5_0), float (Q4_K, Q5_K), as the
-     * rows' products take them */
-    const int sums = kq ? kind != KS_KQ_Q6K : kind != KS_IL4_Q8_0 && kind != KS_Q4X_Q4_0;
+    /* the token block's activation block sums: int (Q4_1), float (Q4_K, Q5_K), as the rows'
+     * products take them */
+    const int sums = kq ? kind != KS_KQ_Q6K : kind == KS_Q4X_Q4_1;
     int32_t xsi[!kq && sums ? tblock * nb : 1];
     float xsf[kq && sums ? tblock * nb : 1], res[4 * KS_IL4_TOKENS];
 #define KS_IL4_TILE(T, t, tv, pf)                                                                \

@@ -141,19 +141,24 @@ static inline const uint8_t *ks_matrix_row(const ks_matrix *w, int e, int r)
  * scales, Q5_0's high bits, dwords of codes). Rows past the matrix's end are zero. */
 
 /* What the 4-byte field at offset o of a block is xor-ed with in a type's groups of W rows. In
- * the 4-row groups (the NEON dotprod tile's): Q4_0's codes ^ 0x88, so that each nibble shifted
- * to the top of its byte is a signed (q - 8) * 16 and the tile needs no -8 * (activation sum)
- * term (llama.cpp's ARM repack of Q4_0 stores them so too); Q6_K's high bits (bytes 128..191)
- * ^ 0xAA, the top bit of each 2-bit pair, so that a 6-bit q made of them is q ^ 32, which read
- * as signed is q - 32: shifted to the top of its byte, 4 * (q - 32) with no subtraction. The
- * same xor undoes it. */
+ * the 4-row groups (the NEON dotprod tile's) the codes are stored so that, shifted to the top
+ * of a byte, they read as signed q - offset times a power of two, with no offset term:
+ *   Q4_0's codes ^ 0x88: each nibble is q ^ 8, a signed (q - 8) at the top (llama.cpp's ARM
+ *       repack of Q4_0 stores them so too);
+ *   Q5_0's high bits (the dword at 2) inverted: each 5-bit q ^ 16, a signed (q - 16);
+ *   Q6_K's high bits (bytes 128..191) ^ 0xAA, the top bit of each pair: each 6-bit q ^ 32, a
+ *       signed (q - 32).
+ * The same xor undoes it. */
 static inline uint32_t ks_il_code_xor(const ks_type_ops *t, const int W, int o)
 {
     if (W != 4)
         return 0;
-    if (t->type == KS_TYPE_Q4_0)
-        return 0x88888888u;
-    return t->type == KS_TYPE_Q6_K && o >= 128 && o < 192 ? 0xAAAAAAAAu : 0;
+    switch (t->type) {
+    case KS_TYPE_Q4_0: return 0x88888888u;
+    case KS_TYPE_Q5_0: return o == 2 ? 0xFFFFFFFFu : 0;
+    case KS_TYPE_Q6_K: return o >= 128 && o < 192 ? 0xAAAAAAAAu : 0;
+    default: return 0;
+    }
 }
 
 /* Rows i0 .. i1 - 1 of a group (W rows of nb blocks) between the rows' layout, row i at
