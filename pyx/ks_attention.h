@@ -9,9 +9,9 @@
  * the query heads sharing that KV head (GQA). Within a block, queries that see the same keys
  * go in tiles of 4 (scores) and 2 (values) that share each K / V vector loaded, with each
  * query's arithmetic unchanged: tiled or not, the results are the same bits. The core
- * (ks_attn_core.h) is compiled for 8-float vectors and, where the CPU has AVX512, for
- * 16-float ones (two keys a vector in the scores): the same bits again, twice the floats an
- * instruction on the products that take most of a long prompt's time.
+ * (ks_attn_core.h) is compiled for 8-float vectors, for 4-float ones on NEON (where GCC keeps
+ * 8-float vectors in memory across loop iterations) and, where the CPU has AVX512, for
+ * 16-float ones (two keys a vector in the scores): the same bits at every width.
  */
 #ifndef KS_ATTENTION_H
 #define KS_ATTENTION_H

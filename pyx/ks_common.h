@@ -103,7 +103,9 @@ static inline float ks_round_half_away(float x)
 
 /* ---- 8 floats as one value: GCC/Clang vector extensions, lowered to one AVX2 register or
  * two NEON registers (two SSE registers on a plain x86-64 build). Hot float loops use these
- * rather than hoping the auto-vectorizer picks the right loop. ---- */
+ * rather than hoping the auto-vectorizer picks the right loop. On aarch64 GCC keeps one that
+ * lives across a loop's iterations on the stack, so the attention core carries 4-float
+ * vectors there (ks_attention.h). ---- */
 #if defined(__GNUC__) && !defined(__clang__)
 #  pragma GCC diagnostic ignored "-Wpsabi"   /* ks_v8 only passes between static inline functions */
 #endif
