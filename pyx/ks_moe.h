@@ -22,8 +22,11 @@ static inline void ks_moe_select(float *probs, int n_exp, int norm_topk, int32_t
         probs[e] = expf(probs[e] - mx);
         s += probs[e];
     }
-    for (int e = 0; e < n_exp; e++)
+    for (int e = 0; e < n_exp; e++) {
         probs[e] = probs[e] / s;
+        if (!(probs[e] >= 0.0f))    /* NaN, from a broken model's logits: still k experts */
+            probs[e] = 0.0f;
+    }
     /* repeated selection in the strict order (probability desc, index asc): the j-th pick is
      * the best expert ranked after the (j-1)-th, so no marks are needed */
     float prev_p = 2.0f;

@@ -242,10 +242,36 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
  * (n, cols/16) half sums); r0 a multiple of w's group rows where it is interleaved. Every type
  * computes each output from exact integer block sums and a fixed-order float epilogue, so the
  * result does not depend on the layout, r0, r1 or the thread that computes it. */
+#define KS_EXPERT_GROUP_TOKENS 8     /* an expert's rows go through 4-row groups from here on */
+
+/* The product of ks_matrix_rows on stacked experts' rows (r0 a multiple of 4) through 4-row
+ * groups copied for the call, for the NEON dotprod tiles: the loader keeps experts as rows (a
+ * copy at load would make every expert resident), and with a few tokens an expert's rows cost
+ * less copied and multiplied in groups than multiplied as rows. The same results (every layout
+ * gives the same bits). Returns -1 if the copy's memory cannot be had, else 0. */
+static inline int ks_matrix_rows_grouped(const ks_type_ops *t, const ks_matrix *w,
+                                         const uint8_t *data, const int8_t *xq, const float *xd,
+                                         const int16_t *xh, int n, float *out, int r0, int r1)
+{
+    uint8_t *groups = malloc((size_t)((r1 - r0 + 3) / 4 * 4) * w->row_stride);
+    if (groups == NULL)
+        return -1;
+    for (int r = r0; r < r1; r += 4)
+        ks_interleave_group(t, 4, w->cols / t->block, groups + (int64_t)(r - r0) * w->row_stride,
+                            (uint8_t *)data + r * w->row_stride, 0, r1 - r < 4 ? r1 - r : 4, 0);
+    t->rows_il4(groups, w->row_stride, xq, xd, xh, n, w->cols, out + r0, w->rows, 0, r1 - r0);
+    free(groups);
+    return 0;
+}
+
 static inline void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
                                   const int16_t *xh, int n, float *out, int r0, int r1)
 {
     const ks_type_ops *t = ks_type(w->type);
+    if (w->n_mat > 1 && !w->interleave && t->rows_il4 && n >= KS_EXPERT_GROUP_TOKENS &&
+        r0 % 4 == 0 && ks_matrix_rows_grouped(t, w, w->data + (int64_t)e * w->mat_stride, xq, xd,
+                                              xh, n, out, r0, r1) == 0)
+        return;
     (w->interleave == 16 ? t->rows_il16 : w->interleave == 8 ? t->rows_il8
      : w->interleave == 4 ? t->rows_il4 : t->rows_vnni && ks_use_vnni() ? t->rows_vnni : t->rows)(
         w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, xh, n, w->cols, out,

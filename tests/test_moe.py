@@ -106,6 +106,25 @@ def test_moe_route_matches_numpy(norm):
 
 
 @pytest.mark.arm64
+def test_moe_route_picks_k_experts_from_nan_logits():
+    """A broken model's NaN activations must not pick an expert index out of range (the
+    grouping would write outside its counts): NaN probabilities count as 0."""
+    rng = np.random.default_rng(9)
+    n, d, E, k = 4, 32, 8, 3
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    x[1, 5] = np.nan                 # every logit of token 1
+    router = rng.normal(size=(E, d)).astype(np.float32)
+    router[3, 7] = np.nan            # one logit of every token
+    probs = np.zeros((n, E), np.float32)
+    idx = np.full((n, k), -7, np.int32)
+    w = np.zeros((n, k), np.float32)
+    K.moe_route(x, router, True, probs, idx, w, 1)
+    assert ((idx >= 0) & (idx < E)).all()
+    np.testing.assert_array_equal(idx[1], [0, 1, 2])   # all 0: the lowest indices
+    assert all(len(set(row)) == k for row in idx.tolist())
+
+
+@pytest.mark.arm64
 def test_moe_group_is_a_stable_sort_by_expert():
     rng = np.random.default_rng(6)
     n, k, E = 50, 4, 16
