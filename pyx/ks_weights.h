@@ -140,58 +140,122 @@ static inline const uint8_t *ks_matrix_row(const ks_matrix *w, int e, int r)
  * field's size). A field at offset o of the block thus becomes one W-lane vector at W * o (fp16
  * scales, Q5_0's high bits, dwords of codes). Rows past the matrix's end are zero. */
 
-/* What the 4-byte field at offset o of a block is xor-ed with in a type's groups of W rows. In
- * the 4-row groups (the NEON dotprod tile's) the codes are stored so that, shifted to the top
- * of a byte, they read as signed q - offset times a power of two, with no offset term:
+/* What the 4-byte fields at block offsets lo <= o < hi are xor-ed with (x) in a type's groups
+ * of W rows. In the 4-row groups (the NEON dotprod tile's) the codes are stored so that,
+ * shifted to the top of a byte, they read as signed q - offset times a power of two, with no
+ * offset term:
  *   Q4_0's codes ^ 0x88: each nibble is q ^ 8, a signed (q - 8) at the top (llama.cpp's ARM
  *       repack of Q4_0 stores them so too);
  *   Q5_0's high bits (the dword at 2) inverted: each 5-bit q ^ 16, a signed (q - 16);
  *   Q6_K's high bits (bytes 128..191) ^ 0xAA, the top bit of each pair: each 6-bit q ^ 32, a
  *       signed (q - 32).
  * The same xor undoes it. */
-static inline uint32_t ks_il_code_xor(const ks_type_ops *t, const int W, int o)
+typedef struct {
+    uint32_t x;
+    int lo, hi;
+} ks_il_xor;
+
+static inline ks_il_xor ks_il_code_xor(const ks_type_ops *t, const int W)
 {
+    const ks_il_xor none = {0, 0, 0};
     if (W != 4)
-        return 0;
+        return none;
     switch (t->type) {
-    case KS_TYPE_Q4_0: return 0x88888888u;
-    case KS_TYPE_Q5_0: return o == 2 ? 0xFFFFFFFFu : 0;
-    case KS_TYPE_Q6_K: return o >= 128 && o < 192 ? 0xAAAAAAAAu : 0;
-    default: return 0;
+    case KS_TYPE_Q4_0: return (ks_il_xor){0x88888888u, 0, t->block_bytes};
+    case KS_TYPE_Q5_0: return (ks_il_xor){0xFFFFFFFFu, 2, 6};
+    case KS_TYPE_Q6_K: return (ks_il_xor){0xAAAAAAAAu, 128, 192};
+    default: return none;
     }
 }
 
+#if defined(KS_NEON) || defined(KS_NEON_DOT)
+/* ks_interleave_group's copy of 4 whole rows into a group (head: the bytes of 2-byte fields),
+ * its words 4 at a time: the 4 rows' next 16 bytes, transposed as 4 x 4 words, are the
+ * group's next 64. */
+static inline void ks_interleave_group4(int B, int head, ks_il_xor x, int nb, uint8_t *il,
+                                        const uint8_t *rows, int64_t rb)
+{
+    const int words = (B - head) / 4;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *r = rows + (int64_t)b * B;
+        uint8_t *g = il + (int64_t)b * 4 * B;
+        for (int o = 0; o < head; o += 2)
+            for (int i = 0; i < 4; i++)
+                memcpy(g + 4 * o + 2 * i, r + i * rb + o, 2);
+        int k = 0;
+        for (; k + 4 <= words; k += 4) {
+            uint32x4_t a[4], t[4], w[4];
+            for (int i = 0; i < 4; i++)
+                a[i] = vld1q_u32((const uint32_t *)(r + i * rb + head + 4 * k));
+            t[0] = vtrn1q_u32(a[0], a[1]);
+            t[1] = vtrn2q_u32(a[0], a[1]);
+            t[2] = vtrn1q_u32(a[2], a[3]);
+            t[3] = vtrn2q_u32(a[2], a[3]);
+            for (int j = 0; j < 2; j++) {
+                w[j] = vreinterpretq_u32_u64(vtrn1q_u64(vreinterpretq_u64_u32(t[j]),
+                                                        vreinterpretq_u64_u32(t[j + 2])));
+                w[j + 2] = vreinterpretq_u32_u64(vtrn2q_u64(vreinterpretq_u64_u32(t[j]),
+                                                            vreinterpretq_u64_u32(t[j + 2])));
+            }
+            for (int j = 0; j < 4; j++) {     /* w[j]: word k + j of the 4 rows */
+                const int o = head + 4 * (k + j);
+                vst1q_u32((uint32_t *)(g + 4 * o),
+                          veorq_u32(w[j], vdupq_n_u32(o >= x.lo && o < x.hi ? x.x : 0)));
+            }
+        }
+        for (; k < words; k++) {
+            const int o = head + 4 * k;
+            for (int i = 0; i < 4; i++) {
+                uint32_t v;
+                memcpy(&v, r + i * rb + o, 4);
+                v ^= o >= x.lo && o < x.hi ? x.x : 0;
+                memcpy(g + 4 * o + 4 * i, &v, 4);
+            }
+        }
+        if ((B - head) % 4)
+            for (int i = 0; i < 4; i++)
+                memcpy(g + 4 * (B - 2) + 2 * i, r + i * rb + B - 2, 2);
+    }
+}
+#endif
+
 /* Rows i0 .. i1 - 1 of a group (W rows of nb blocks) between the rows' layout, row i at
  * rows + (i - i0) * rb, and the interleaved one at il; back: il -> rows, else rows -> il (the
- * group's other rows then zero: rows past the matrix's end). */
+ * group's other rows then zero: rows past the matrix's end). The 4-byte fields, most of a
+ * block, go as words in a loop of their own: a load at start-up copies every dense matrix so,
+ * and the NEON products copy the experts they multiply. */
 static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb, uint8_t *il,
                                        uint8_t *rows, int i0, int i1, int back)
 {
-    const int B = t->block_bytes;
+    const int B = t->block_bytes, head = 2 * t->fp16_head;
     const int64_t rb = (int64_t)nb * B;
+    const ks_il_xor x = ks_il_code_xor(t, W);
     if (!back && (i0 > 0 || i1 < W))
         memset(il, 0, (size_t)W * rb);
+#if defined(KS_NEON) || defined(KS_NEON_DOT)
+    if (!back && W == 4 && i0 == 0 && i1 == 4) {
+        ks_interleave_group4(B, head, x, nb, il, rows, rb);
+        return;
+    }
+#endif
     for (int b = 0; b < nb; b++)
         for (int i = i0; i < i1; i++) {
             uint8_t *r = rows + (i - i0) * rb + (int64_t)b * B, *g = il + (int64_t)b * W * B;
-            int o = 0;
-#define KS_IL_FIELD(size) (back ? memcpy(r + o, g + W * o + (size) * i, size) \
-                                : memcpy(g + W * o + (size) * i, r + o, size))
-            for (; o < 2 * t->fp16_head; o += 2)
-                KS_IL_FIELD(2);
-            for (; o + 4 <= B; o += 4) {
-                KS_IL_FIELD(4);
-                const uint32_t x = ks_il_code_xor(t, W, o);
-                if (x) {
-                    uint8_t *f = back ? r + o : g + W * o + 4 * i;
-                    uint32_t v;
-                    memcpy(&v, f, 4);
-                    v ^= x;
-                    memcpy(f, &v, 4);
-                }
+#define KS_IL_FIELD(o, size) (back ? memcpy(r + (o), g + W * (o) + (size) * i, size) \
+                                   : memcpy(g + W * (o) + (size) * i, r + (o), size))
+            for (int o = 0; o < head; o += 2)
+                KS_IL_FIELD(o, 2);
+            uint8_t *gw = g + W * head + 4 * i, *rw = r + head;   /* the words */
+            const int words = (B - head) / 4;
+            for (int k = 0; k < words; k++) {
+                const int o = head + 4 * k;
+                uint32_t v;
+                memcpy(&v, back ? gw + 4 * W * k : rw + 4 * k, 4);
+                v ^= o >= x.lo && o < x.hi ? x.x : 0;
+                memcpy(back ? rw + 4 * k : gw + 4 * W * k, &v, 4);
             }
-            if (o < B)
-                KS_IL_FIELD(2);
+            if ((B - head) % 4)
+                KS_IL_FIELD(B - 2, 2);
 #undef KS_IL_FIELD
         }
 }
