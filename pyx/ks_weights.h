@@ -247,12 +247,14 @@ static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb
                 KS_IL_FIELD(o, 2);
             uint8_t *gw = g + W * head + 4 * i, *rw = r + head;   /* the words */
             const int words = (B - head) / 4;
-            for (int k = 0; k < words; k++) {
-                const int o = head + 4 * k;
+            for (int k = 0; k < words; k++)
+                memcpy(back ? rw + 4 * k : gw + 4 * W * k, back ? gw + 4 * W * k : rw + 4 * k, 4);
+            for (int o = x.lo < head ? head : x.lo; o + 4 <= x.hi; o += 4) {
+                uint8_t *f = back ? r + o : g + W * o + 4 * i;
                 uint32_t v;
-                memcpy(&v, back ? gw + 4 * W * k : rw + 4 * k, 4);
-                v ^= o >= x.lo && o < x.hi ? x.x : 0;
-                memcpy(back ? rw + 4 * k : gw + 4 * W * k, &v, 4);
+                memcpy(&v, f, 4);
+                v ^= x.x;
+                memcpy(f, &v, 4);
             }
             if ((B - head) % 4)
                 KS_IL_FIELD(B - 2, 2);
