@@ -308,7 +308,7 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
  * (n, cols/16) half sums); r0 a multiple of w's group rows where it is interleaved. Every type
  * computes each output from exact integer block sums and a fixed-order float epilogue, so the
  * result does not depend on the layout, r0, r1 or the thread that computes it. */
-#define KS_EXPERT_GROUP_TOKENS 8     /* an expert's rows go through 4-row groups from here on */
+#define KS_EXPERT_GROUP_TOKENS 4     /* an expert's rows go through 4-row groups from here on */
 
 /* The product of ks_matrix_rows on stacked experts' rows (r0 a multiple of 4) through 4-row
  * groups copied for the call, for the NEON dotprod tiles: the loader keeps experts as rows (a
