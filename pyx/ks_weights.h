@@ -303,11 +303,6 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
     t->dequant_row(row, out, w->cols);
 }
 
-/* Rows [r0, r1) of out (n, rows) = matrix e of w (rows, cols) . x^T, for the n activation
- * rows x as ks_quantize_row_q8_0 made them (xq (n, cols) int8, xd (n, cols/32) scales, xh
- * (n, cols/16) half sums); r0 a multiple of w's group rows where it is interleaved. Every type
- * computes each output from exact integer block sums and a fixed-order float epilogue, so the
- * result does not depend on the layout, r0, r1 or the thread that computes it. */
 #define KS_EXPERT_GROUP_TOKENS 4     /* an expert's rows go through 4-row groups from here on */
 
 /* The product of ks_matrix_rows on stacked experts' rows (r0 a multiple of 4) through 4-row
@@ -330,6 +325,11 @@ static inline int ks_matrix_rows_grouped(const ks_type_ops *t, const ks_matrix *
     return 0;
 }
 
+/* Rows [r0, r1) of out (n, rows) = matrix e of w (rows, cols) . x^T, for the n activation
+ * rows x as ks_quantize_row_q8_0 made them (xq (n, cols) int8, xd (n, cols/32) scales, xh
+ * (n, cols/16) half sums); r0 a multiple of w's group rows where it is interleaved. Every type
+ * computes each output from exact integer block sums and a fixed-order float epilogue, so the
+ * result does not depend on the layout, r0, r1 or the thread that computes it. */
 static inline void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
                                   const int16_t *xh, int n, float *out, int r0, int r1)
 {
