@@ -16,8 +16,8 @@ ROOT=$(ls -d "$CACHE"/root-* 2>/dev/null | head -1)
 [ -n "$ROOT" ] || { echo "arm64_insns: no arm64 root in $CACHE (run make test-arm64)" >&2; exit 1; }
 BIN=$(mktemp -d)/arm64_insns
 trap 'rm -rf "$(dirname "$BIN")"' EXIT
-aarch64-linux-gnu-gcc -O3 -fno-schedule-insns -march=armv8.2-a+dotprod+fp16 --sysroot="$ROOT" -I"$REPO/pyx" \
-    -static "$REPO/bench/arm64_insns.c" -o "$BIN" -lm
+aarch64-linux-gnu-gcc -O3 -fno-schedule-insns -march=armv8.2-a+dotprod+fp16 --sysroot="$ROOT" \
+    -I"$REPO/pyx" -static "$REPO/bench/arm64_insns.c" -o "$BIN" -lm
 
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 count() {    # "ALL SIMD" instructions executed by: $BIN TYPE LAYOUT N

@@ -186,7 +186,8 @@ static inline float ks_v16_hmax(ks_v16 v)
 #define KS_AV_LOAD(p) (*(const ks_v16_unaligned *)(p))
 #define KS_AV_STORE(p, v) (*(ks_v16_unaligned *)(p) = (v))
 #define KS_AV_SET1(x) ((ks_v16)_mm512_set1_ps(x))
-#define KS_AV_QLOAD(p) ((ks_v16)_mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(p)))))
+#define KS_AV_QLOAD(p) \
+    ((ks_v16)_mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(p)))))
 #define KS_AV_IN_REG(v) __asm__("" : "+v"(v))
 #define KS_AV_SUMS 16
 #define KS_AV_MAX(a, b) ((ks_v16)_mm512_max_ps((__m512)(a), (__m512)(b)))

@@ -22,10 +22,10 @@
  * a key's), a value's output floats and the softmax's exp are each computed alone, and the
  * softmax's sum goes 8 lanes at a time in key order at every width. So they give the same
  * bits (tests/test_kernels.py checks 8 against 16, and every width against x86-64's recorded
- * results, as the A76 and the A72 under make test-arm64), and tiles of queries do too (the arithmetic below is per query; tiles only decide how many
- * queries share the loads of one K or V vector: every score, weight and output float of a
- * query is computed by the same operations in the same order whatever tile, QB = 1, 2 or 4
- * queries, it is part of). */
+ * results, as the A76 and the A72 under make test-arm64), and tiles of queries do too (the
+ * arithmetic below is per query; tiles only decide how many queries share the loads of one K
+ * or V vector: every score, weight and output float of a query is computed by the same
+ * operations in the same order whatever tile, QB = 1, 2 or 4 queries, it is part of). */
 
 /* sc[u * sc_stride + j] = q_u . k_j for the QB queries q (QB, hd) and keys j < n (n a multiple
  * of 16) of kf (the block's keys, KS_AP to a vector: key j's dims d..d+7 at
