@@ -169,87 +169,68 @@ static inline ks_il_xor ks_il_code_xor(const ks_type_ops *t, const int W)
 }
 
 #if defined(KS_NEON) || defined(KS_NEON_DOT)
-/* ks_interleave_group's copy of 4 whole rows into a group (head: the bytes of 2-byte fields),
- * its words 4 at a time: the 4 rows' next 16 bytes, transposed as 4 x 4 words, are the
- * group's next 64. */
-static inline void ks_interleave_group4(int B, int head, ks_il_xor x, int nb, uint8_t *il,
-                                        const uint8_t *rows, int64_t rb)
+/* The first words - words % 4 words of 4 rows (row i's at src + i * rb) into a 4-row group's
+ * word fields at dst (word k of row i at dst + 16 * k + 4 * i), xor-ed as x says for the
+ * block offset head + 4 * k, 4 at a time: the 4 rows' next 16 bytes, transposed as 4 x 4
+ * words, are the group's next 64. Returns how many it copied. */
+static inline int ks_il4_copy_words(uint8_t *dst, const uint8_t *src, int64_t rb, int words,
+                                    int head, ks_il_xor x)
 {
-    const int words = (B - head) / 4;
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *r = rows + (int64_t)b * B;
-        uint8_t *g = il + (int64_t)b * 4 * B;
-        for (int o = 0; o < head; o += 2)
-            for (int i = 0; i < 4; i++)
-                memcpy(g + 4 * o + 2 * i, r + i * rb + o, 2);
-        int k = 0;
-        for (; k + 4 <= words; k += 4) {
-            uint32x4_t a[4], t[4], w[4];
-            for (int i = 0; i < 4; i++)
-                a[i] = vld1q_u32((const uint32_t *)(r + i * rb + head + 4 * k));
-            t[0] = vtrn1q_u32(a[0], a[1]);
-            t[1] = vtrn2q_u32(a[0], a[1]);
-            t[2] = vtrn1q_u32(a[2], a[3]);
-            t[3] = vtrn2q_u32(a[2], a[3]);
-            for (int j = 0; j < 2; j++) {
-                w[j] = vreinterpretq_u32_u64(vtrn1q_u64(vreinterpretq_u64_u32(t[j]),
-                                                        vreinterpretq_u64_u32(t[j + 2])));
-                w[j + 2] = vreinterpretq_u32_u64(vtrn2q_u64(vreinterpretq_u64_u32(t[j]),
-                                                            vreinterpretq_u64_u32(t[j + 2])));
-            }
-            for (int j = 0; j < 4; j++) {     /* w[j]: word k + j of the 4 rows */
-                const int o = head + 4 * (k + j);
-                vst1q_u32((uint32_t *)(g + 4 * o),
-                          veorq_u32(w[j], vdupq_n_u32(o >= x.lo && o < x.hi ? x.x : 0)));
-            }
+    int k = 0;
+    for (; k + 4 <= words; k += 4) {
+        uint32x4_t a[4], t[4];
+        for (int i = 0; i < 4; i++)
+            a[i] = vld1q_u32((const uint32_t *)(src + i * rb + 4 * k));
+        t[0] = vtrn1q_u32(a[0], a[1]);
+        t[1] = vtrn2q_u32(a[0], a[1]);
+        t[2] = vtrn1q_u32(a[2], a[3]);
+        t[3] = vtrn2q_u32(a[2], a[3]);
+        for (int j = 0; j < 4; j++) {     /* word k + j of the 4 rows */
+            const uint64x2_t lo = vreinterpretq_u64_u32(t[j % 2]);
+            const uint64x2_t hi = vreinterpretq_u64_u32(t[j % 2 + 2]);
+            const int o = head + 4 * (k + j);
+            vst1q_u32((uint32_t *)(dst + 16 * (k + j)),
+                      veorq_u32(vreinterpretq_u32_u64(j < 2 ? vtrn1q_u64(lo, hi)
+                                                            : vtrn2q_u64(lo, hi)),
+                                vdupq_n_u32(o >= x.lo && o < x.hi ? x.x : 0)));
         }
-        for (; k < words; k++) {
-            const int o = head + 4 * k;
-            for (int i = 0; i < 4; i++) {
-                uint32_t v;
-                memcpy(&v, r + i * rb + o, 4);
-                v ^= o >= x.lo && o < x.hi ? x.x : 0;
-                memcpy(g + 4 * o + 4 * i, &v, 4);
-            }
-        }
-        if ((B - head) % 4)
-            for (int i = 0; i < 4; i++)
-                memcpy(g + 4 * (B - 2) + 2 * i, r + i * rb + B - 2, 2);
     }
+    return k;
 }
 #endif
 
 /* Rows i0 .. i1 - 1 of a group (W rows of nb blocks) between the rows' layout, row i at
  * rows + (i - i0) * rb, and the interleaved one at il; back: il -> rows, else rows -> il (the
  * group's other rows then zero: rows past the matrix's end). The 4-byte fields, most of a
- * block, go as words in a loop of their own: a load at start-up copies every dense matrix so,
- * and the NEON products copy the experts they multiply. */
+ * block, go as words in loops of their own (on NEON a whole 4-row group's by transposes): a
+ * load at start-up copies every dense matrix so, and the NEON products copy the experts they
+ * multiply. */
 static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb, uint8_t *il,
                                        uint8_t *rows, int i0, int i1, int back)
 {
-    const int B = t->block_bytes, head = 2 * t->fp16_head;
+    const int B = t->block_bytes, head = 2 * t->fp16_head, words = (B - head) / 4;
     const int64_t rb = (int64_t)nb * B;
     const ks_il_xor x = ks_il_code_xor(t, W);
     if (!back && (i0 > 0 || i1 < W))
         memset(il, 0, (size_t)W * rb);
+    for (int b = 0; b < nb; b++) {
+        uint8_t *g = il + (int64_t)b * W * B;
+        int k0 = 0;     /* words already copied (and xor-ed) for every row */
 #if defined(KS_NEON) || defined(KS_NEON_DOT)
-    if (!back && W == 4 && i0 == 0 && i1 == 4) {
-        ks_interleave_group4(B, head, x, nb, il, rows, rb);
-        return;
-    }
+        if (!back && W == 4 && i0 == 0 && i1 == 4)
+            k0 = ks_il4_copy_words(g + 4 * head, rows + (int64_t)b * B + head, rb, words, head,
+                                   x);
 #endif
-    for (int b = 0; b < nb; b++)
         for (int i = i0; i < i1; i++) {
-            uint8_t *r = rows + (i - i0) * rb + (int64_t)b * B, *g = il + (int64_t)b * W * B;
+            uint8_t *r = rows + (i - i0) * rb + (int64_t)b * B;
 #define KS_IL_FIELD(o, size) (back ? memcpy(r + (o), g + W * (o) + (size) * i, size) \
                                    : memcpy(g + W * (o) + (size) * i, r + (o), size))
             for (int o = 0; o < head; o += 2)
                 KS_IL_FIELD(o, 2);
             uint8_t *gw = g + W * head + 4 * i, *rw = r + head;   /* the words */
-            const int words = (B - head) / 4;
-            for (int k = 0; k < words; k++)
+            for (int k = k0; k < words; k++)
                 memcpy(back ? rw + 4 * k : gw + 4 * W * k, back ? gw + 4 * W * k : rw + 4 * k, 4);
-            for (int o = x.lo < head ? head : x.lo; o + 4 <= x.hi; o += 4) {
+            for (int o = x.lo < head + 4 * k0 ? head + 4 * k0 : x.lo; o + 4 <= x.hi; o += 4) {
                 uint8_t *f = back ? r + o : g + W * o + 4 * i;
                 uint32_t v;
                 memcpy(&v, f, 4);
@@ -260,6 +241,7 @@ static inline void ks_interleave_group(const ks_type_ops *t, const int W, int nb
                 KS_IL_FIELD(B - 2, 2);
 #undef KS_IL_FIELD
         }
+    }
 }
 
 /* The rows per group in which matrices of this type are interleaved on this CPU: 16 where
