@@ -122,6 +122,22 @@ typedef float ks_v8_unaligned __attribute__((vector_size(32), aligned(4), may_al
 static inline ks_v8 ks_v8_load(const float *p) { return *(const ks_v8_unaligned *)p; }
 static inline void ks_v8_store(float *p, ks_v8 v) { *(ks_v8_unaligned *)p = v; }
 
+#if defined(KS_NEON) || defined(KS_NEON_DOT)
+/* dst[0..8) = the 8 int16 of h (int8 values) as floats, exactly */
+static inline void ks_f32x8_of_s16(float *dst, int16x8_t h)
+{
+#if defined(__ARM_FEATURE_FP16_VECTOR_ARITHMETIC)
+    /* via half floats (exact below 2048): one conversion for 8 lanes, not two */
+    const float16x8_t f = vcvtq_f16_s16(h);
+    vst1q_f32(dst, vcvt_f32_f16(vget_low_f16(f)));
+    vst1q_f32(dst + 4, vcvt_high_f32_f16(f));
+#else
+    vst1q_f32(dst, vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))));
+    vst1q_f32(dst + 4, vcvtq_f32_s32(vmovl_high_s16(h)));
+#endif
+}
+#endif
+
 /* dst[0..n) = the n int8 at src as floats, n a multiple of 8 (exact; spelled out per target:
  * GCC builds the generic conversion of an 8-byte vector lane by lane in general registers) */
 static inline void ks_f32_of_i8(float *restrict dst, const int8_t *restrict src, int64_t n)
@@ -134,17 +150,11 @@ static inline void ks_f32_of_i8(float *restrict dst, const int8_t *restrict src,
 #elif defined(KS_NEON) || defined(KS_NEON_DOT)
     for (; e + 16 <= n; e += 16) {
         const int8x16_t b = vld1q_s8(src + e);
-        const int16x8_t h[2] = {vmovl_s8(vget_low_s8(b)), vmovl_high_s8(b)};
-        for (int i = 0; i < 2; i++) {
-            vst1q_f32(dst + e + 8 * i, vcvtq_f32_s32(vmovl_s16(vget_low_s16(h[i]))));
-            vst1q_f32(dst + e + 8 * i + 4, vcvtq_f32_s32(vmovl_high_s16(h[i])));
-        }
+        ks_f32x8_of_s16(dst + e, vmovl_s8(vget_low_s8(b)));
+        ks_f32x8_of_s16(dst + e + 8, vmovl_high_s8(b));
     }
-    for (; e < n; e += 8) {
-        const int16x8_t h = vmovl_s8(vld1_s8(src + e));
-        vst1q_f32(dst + e, vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))));
-        vst1q_f32(dst + e + 4, vcvtq_f32_s32(vmovl_high_s16(h)));
-    }
+    for (; e < n; e += 8)
+        ks_f32x8_of_s16(dst + e, vmovl_s8(vld1_s8(src + e)));
 #endif
     for (; e < n; e++)
         dst[e] = (float)src[e];
