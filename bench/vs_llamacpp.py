@@ -209,7 +209,10 @@ def startup(engine: str, path: str, args, n_batch: int) -> dict:
     return out
 
 
-DEFAULT_MODELS = "smollm2,smollm2:Q4_K_M,smollm2:Q4_0,qwen3-0.6b,qwen3-0.6b:Q4_K_M,qwen3-0.6b:Q4_0"
+# SmolLM2 and the 0.6B shape as Q8_0, Q4_K_M and Q4_0; the MoE and the 1.7B shape (Qwen3-VL-2B's
+# language model) as Q4_K_M: the 4-bit mixes users download, beside the Q8_0 baseline
+DEFAULT_MODELS = ("smollm2,smollm2:Q4_K_M,smollm2:Q4_0,"
+                  "qwen3-0.6b,qwen3-0.6b:Q4_K_M,qwen3-0.6b:Q4_0,qwen3moe:Q4_K_M,qwen3-1.7b:Q4_K_M")
 
 
 def model_path(spec: str, cache: str) -> str:
