@@ -3,6 +3,7 @@ a second question on the same image (a prefix hit: the encoder is skipped).
 
     .venv/bin/python bench/vision.py --threads 2            # `make bench-vision`
     .venv/bin/python bench/vision.py --small                # a small model: checks the harness
+    .venv/bin/python bench/vision.py --text-type Q4_K_M     # the language model as users get it
 
 Model: random weights with exactly Qwen3-VL-2B-Instruct's shapes (`QWEN3VL_2B`, from the
 published config.json: vision tower of 24 blocks of width 1024, 16 heads, MLP 4096, patch 16,
@@ -29,7 +30,9 @@ and libmtmd, chunk by chunk as llama-server evaluates a prompt, with its repacki
 attention on and n_batch = n_ubatch = 2048. Each repetition asks Kestrel, then llama.cpp,
 the same two questions on the same image; llama.cpp's second request keeps the KV up to the
 image's end (llama-server's cache_prompt). `--no-llamacpp` (or no llama-cpp-python
-installed) measures Kestrel alone.
+installed) measures Kestrel alone. `--text-type Q4_K_M` (or Q4_0) runs both on llama.cpp's
+quantizer's output from that text GGUF instead (bench/common.py), beside the same mmproj: the
+4-bit language model that users download with an F16 or Q8_0 mmproj.
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, ROOT)
 sys.path.insert(2, os.path.join(ROOT, "tests"))   # modelgen_vl: the chat template, test pictures
 
-from common import rss_mb, synthetic_qwen_vocab
+from common import llama_quantized, rss_mb, synthetic_qwen_vocab
 from modelgen_vl import CHAT_TEMPLATE, test_image
 
 from kestreld.service.config import default_cache_dir
@@ -523,7 +526,7 @@ def table(reps: list, res: dict, theirs: list | None = None) -> str:
         ("TTFT request 1 / request 2",
          f"{m('first', 'request_ttft_ms') / m('second', 'request_ttft_ms'):.1f}x",
          f"{t('first', 'request_ttft_ms') / t('second', 'request_ttft_ms'):.1f}x" if t else "", ""),
-        ("one-time conversion to the cached Q8_0 pair s (0: cached)", f"{res['convert_s']:.1f}", "", ""),
+        ("one-time conversion (and quantization) s (0: cached)", f"{res['convert_s']:.1f}", "", ""),
         ("load s (cached pair, mapped) / RSS after load MB",
          f"{res['load_s']:.1f} / {res['rss_load']:.0f}",
          f"{res['llama_load_s']:.1f} / -" if t else "", ""),
@@ -545,6 +548,9 @@ def parse_args(argv=None):
     p.add_argument("--small", action="store_true",
                    help="a small Qwen3-VL (4 + 4 layers): checks the harness works")
     p.add_argument("--no-llamacpp", action="store_true", help="measure Kestrel alone")
+    p.add_argument("--text-type", choices=["Q8_0", "Q4_K_M", "Q4_0"], default="Q8_0",
+                   help="the language model's GGUF: the cached Q8_0 one (default), or llama.cpp's "
+                        "quantizer's output from it")
     return p.parse_args(argv)
 
 
@@ -560,9 +566,13 @@ def main(argv=None) -> int:
     print(f"{shapes.name}: {path}", file=sys.stderr)
     t0 = time.perf_counter()
     text, mmproj = cached_qwen3vl_pair(path, cache)   # as kestreld does: converted once, mapped
+    if args.text_type != "Q8_0":
+        text = llama_quantized(text, args.text_type, cache)
     convert_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    engine = Engine(load_model(path, cache_dir=cache), max_seq=args.max_seq, threads=args.threads)
+    model = (load_model(path, cache_dir=cache) if args.text_type == "Q8_0"
+             else load_model(text, mmproj=mmproj))
+    engine = Engine(model, max_seq=args.max_seq, threads=args.threads)
     res = {"convert_s": convert_s, "load_s": time.perf_counter() - t0, "rss_load": rss_mb()}
     warm = test_image(0, IMAGE_SIDE, IMAGE_SIDE, "JPEG")
     first = ask(engine, warm, QUESTION_1, DECODE_TOKENS)    # pages the weights in
@@ -593,7 +603,8 @@ def main(argv=None) -> int:
             print(f"     llama.cpp: encode {f['encode_ms']:.0f} ms, prefill {f['prefill_tps']:.1f} "
                   f"tok/s, decode {f['decode_tps']:.2f} tok/s, hit TTFT {s['request_ttft_ms']:.0f} "
                   f"ms (cached {s['cached_tokens']})", file=sys.stderr)
-    print(f"\n{shapes.name} (random weights, the Q8_0 pair), threads {args.threads}, "
+    print(f"\n{shapes.name} (random weights, {args.text_type} text GGUF + Q8_0 mmproj), "
+          f"threads {args.threads}, "
           f"median of {args.reps}, max_seq = n_ctx = {args.max_seq}, greedy, ignore_eos")
     if llama:
         print("llama.cpp: llama-cpp-python's libllama + libmtmd on the same pair, repacking on, "
