@@ -182,8 +182,9 @@ KS_INLINE void ks_q6k_scales_il4(const uint8_t *sbk, const int s, int32x4_t *sa,
 
 /* res[j * 4 + i] = out value of the group g's row i, token j < T (tokens >= tv repeat the last
  * valid one), over nsb superblocks, by ks_kquants.h's epilogue. xs (Q4_K, Q5_K): the tile's
- * first token's block sums (ks_q8_block_sums), nsb * 8 per token. pf (or NULL): superblock sb
- * prefetches its own bytes in the group at pf (the next group), an eighth per block. */
+ * first token's scaled block sums (ks_q8_block_sums), nsb * 8 per token. pf (or NULL):
+ * superblock sb prefetches its own bytes in the group at pf (the next group), an eighth per
+ * block. */
 KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, const int8_t *x,
                               const float *xd, const float *xs, int tv, int nsb, float *res,
                               const uint8_t *pf)
@@ -234,7 +235,7 @@ KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, con
                 } else {
                     const int32x4_t isum = ks_il4_dot(vdupq_n_s32(0), c, xb);
                     acc[j] = vfmaq_f32(acc[j], vcvtq_f32_s32(isum), vmulq_n_f32(ds, dx));
-                    acc[j] = vfmaq_n_f32(acc[j], vmulq_n_f32(dm, dx), P.xs[j][b]);
+                    acc[j] = vfmaq_n_f32(acc[j], dm, P.xs[j][b]);
                 }
             }
         }
@@ -252,8 +253,8 @@ KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, con
 KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
-    /* the token block's activation block sums: int (Q4_1), float (Q4_K, Q5_K), as the rows'
-     * products take them */
+    /* the token block's activation block sums: int (Q4_1), float and scaled (Q4_K, Q5_K), as
+     * the rows' products take them */
     const int sums = kq ? kind != KS_KQ_Q6K : kind == KS_Q4X_Q4_1;
     int32_t xsi[!kq && sums ? tblock * nb : 1];
     float xsf[kq && sums ? tblock * nb : 1], res[4 * KS_IL4_TOKENS];
@@ -267,7 +268,8 @@ KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
     for (int tb = 0; tb < n; tb += tblock) {
         const int te = tb + tblock < n ? tb + tblock : n;
         if (sums && kq)
-            ks_q8_block_sums(xh + (int64_t)tb * 2 * nb, (te - tb) * nb, xsf);
+            ks_q8_block_sums(xh + (int64_t)tb * 2 * nb, xd + (int64_t)tb * nb, (te - tb) * nb,
+                             xsf);
         else if (sums)
             ks_q4x_block_sums(xh + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xsi);
         for (int r = r0; r < r1; r += 4) {

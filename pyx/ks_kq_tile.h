@@ -123,14 +123,14 @@ KS_TFN void KS_TN(ks_kq_block)(const int kind, const int il, const int T, const 
         } else {
             const KS_TI isum = KS_TN(ks_dot_chunks)(KS_MMSI(setzero)(), codes, xb, 0, 8, 2);
             acc[j] = KS_TN(ks_fmadd)(KS_MM(cvtepi32_ps)(isum), KS_MM(mul_ps)(ds[s], dx), acc[j]);
-            acc[j] = KS_TN(ks_fmadd)(KS_MM(set1_ps)(sp[j][b]), KS_MM(mul_ps)(dm[s], dx), acc[j]);
+            acc[j] = KS_TN(ks_fmadd)(KS_MM(set1_ps)(sp[j][b]), dm[s], acc[j]);
         }
     }
 }
 
 /* res[j * KS_TW + i] = out value for row i, token j < T (T <= KS_TTOKENS); rows >= rv / tokens
  * >= tv repeat the last valid one. il: w is an interleaved group of KS_TW rows (rows >= rv are
- * its padding), not rows w_stride apart. xs: the tokens' block sums (Q4_K, Q5_K);
+ * its padding), not rows w_stride apart. xs: the tokens' scaled block sums (Q4_K, Q5_K);
  * xh[t * 2nb + 2b + h]: the sum of half h of block b (Q6_K). pf (or NULL): superblock sb
  * prefetches the pf_step bytes at pf + sb * pf_step. */
 KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int il, const int T, const uint8_t *w,
@@ -203,13 +203,14 @@ KS_TFN void KS_TN(ks_kq_matmul_rows)(const int kind, const int il, KS_ROWS_PARAM
 {
     const int nb = k / KS_QK, nsb = k / KS_QK_K, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
     const int q6 = kind == KS_KQ_Q6K;
-    /* Q4_K, Q5_K: the block sums of a token block; Q6_K reads xh */
+    /* Q4_K, Q5_K: the scaled block sums of a token block; Q6_K reads xh */
     float xs[q6 ? 1 : tblock * nb], res[KS_TW * KS_TTOKENS];
     for (int tb = 0; tb < n; tb += tblock) {
         const int te = tb + tblock < n ? tb + tblock : n;
         if (!q6)
             for (int t = tb; t < te; t++)
-                ks_q8_block_sums(xh + (int64_t)t * 2 * nb, nb, xs + (t - tb) * nb);
+                ks_q8_block_sums(xh + (int64_t)t * 2 * nb, xd + (int64_t)t * nb, nb,
+                                 xs + (t - tb) * nb);
         for (int r = r0; r < r1; r += KS_TW) {
             const int rv = r1 - r < KS_TW ? r1 - r : KS_TW;
             if (n == 1) {

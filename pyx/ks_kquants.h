@@ -16,10 +16,11 @@
  * The product, for output row r and token t (x = xq[t], xd[t] its Q8_0 blocks), acc starting
  * at 0.0f, over the activation blocks j in order, with s = j % 8 and the superblock of j:
  *   Q4_K, Q5_K:  acc = fma((float)isum_j, (d * (float)sc[s]) * xd[j], acc)
- *                acc = fma((float)xsum_j, (-(dmin * (float)m[s])) * xd[j], acc)
+ *                acc = fma((float)xsum_j * xd[j], -(dmin * (float)m[s]), acc)
  *       isum_j = sum of q * x over the block (q the unsigned code), xsum_j = sum of x;
- *       d * sc and dmin * m are exact (11-bit by 6-bit mantissas), so only the product with
- *       xd and the fma round.
+ *       d * sc and dmin * m are exact (11-bit by 6-bit mantissas), so only the products with
+ *       xd and the fmas round. The min term's xsum_j * xd[j] is a property of the token
+ *       (ks_q8_block_sums), made once per block and token, not once per row as well.
  *   Q6_K:        acc = fma((float)isum_j, d * xd[j], acc)
  *       isum_j = sc[2s] * (sum of (q - 32) * x over values 0..15 of the block)
  *              + sc[2s+1] * (the same over values 16..31), exact in int32.
@@ -165,7 +166,7 @@ static inline float ks_kq_block_step(const int kind, const uint8_t *row, int j, 
     const float dsc = d * (float)(uint8_t)(sc >> 8 * s);
     const float dmn = dmin * (float)(uint8_t)(mn >> 8 * s);
     acc = KS_FMADD((float)isum, dsc * xd, acc);
-    return KS_FMADD((float)xsum, (-dmn) * xd, acc);
+    return KS_FMADD((float)xsum * xd, -dmn, acc);
 }
 
 #define KS_KQ_STEP(name, kind) \
@@ -192,17 +193,18 @@ static inline void ks_kq_matmul_rows_plain(const int kind, KS_ROWS_PARAMS)
  * The per-block scales of the 8 lanes are unpacked once per superblock. */
 #if defined(KS_HAVE_SIMD_MATMUL)
 
-/* Sum of each 32-value block of an activation row (nb blocks) as float, from its half sums
- * xh (exact: |sum| <= 32 * 127). */
-static inline void ks_q8_block_sums(const int16_t *restrict xh, int nb, float *restrict xs)
+/* The min term's factor of each 32-value block of an activation row (nb blocks): the block's
+ * sum (from its half sums xh; exact as a float: |sum| <= 32 * 127) times its scale xd. */
+static inline void ks_q8_block_sums(const int16_t *restrict xh, const float *restrict xd, int nb,
+                                    float *restrict xs)
 {
     for (int b = 0; b < nb; b++)
-        xs[b] = (float)ks_q8_block_sum(xh, b);
+        xs[b] = (float)ks_q8_block_sum(xh, b) * xd[b];
 }
 
 /* A tile's rows and its tokens' activations, scales and sums (nb blocks a row); rows >= rv
  * and tokens >= tv repeat the last valid one (their lanes are computed and dropped). xs: the
- * tokens' block sums (Q4_K, Q5_K), or NULL. */
+ * tokens' scaled block sums (Q4_K, Q5_K), or NULL. */
 typedef struct {
     const uint8_t *w[8];
     const int8_t *x[8];
@@ -475,7 +477,7 @@ KS_INLINE void ks_kq_isum(const int kind, const int R, const int T, const uint8_
 /* res[j * R + i] = out value for row i, token j of the tile; R x T is 8 x 1 or (NEON prefill)
  * 4 x 2 (AVX2: Q6_K, 8 x 1 only). Rows >= rv / tokens >= tv repeat the last valid one (their
  * lanes are computed and dropped).
- * xs: the tokens' block sums (ks_q8_block_sums; Q4_K, Q5_K). pf (or NULL): superblock sb
+ * xs: the tokens' scaled block sums (ks_q8_block_sums; Q4_K, Q5_K). pf (or NULL): superblock sb
  * prefetches the pf_step bytes at pf + sb * pf_step, an eighth per block. */
 KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_t *w,
                           int64_t w_stride, int rv, const int8_t *x, const float *xd,
@@ -520,7 +522,8 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
                 const float dx = dp[4 * h / R][b];
                 acc[h] = vfmaq_f32(acc[h], is[h], vmulq_n_f32(d.val[h], dx));
                 if (kind != KS_KQ_Q6K)   /* fma(xsum, dm * dx, acc) */
-                    acc[h] = vfmaq_n_f32(acc[h], vmulq_n_f32(dm[s].val[h], dx), P.xs[4 * h / R][b]);
+                    acc[h] = vfmaq_n_f32(acc[h], dm[s].val[h],
+                                         P.xs[4 * h / R][b]);
             }
 #endif
         }
@@ -694,7 +697,7 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
     if (n == 1) {
         float xs[nb];
         if (sums)
-            ks_q8_block_sums(xh, nb, xs);
+            ks_q8_block_sums(xh, xd, nb, xs);
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
             /* the next tile of this matrix (an MoE expert's ends here), a slice per superblock */
@@ -711,7 +714,8 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         if (sums)
             for (int t = tb; t < te; t++)
-                ks_q8_block_sums(xh + (int64_t)t * 2 * nb, nb, xs + (t - tb) * nb);
+                ks_q8_block_sums(xh + (int64_t)t * 2 * nb, xd + (int64_t)t * nb, nb,
+                                 xs + (t - tb) * nb);
         for (int r = r0; r < r1; r += 4) {
             const int rv = r1 - r < 4 ? r1 - r : 4;
             for (int t = tb; t < te; t += 2) {
