@@ -19,8 +19,8 @@
  *                acc = fma((float)xsum_j * xd[j], -(dmin * (float)m[s]), acc)
  *       isum_j = sum of q * x over the block (q the unsigned code), xsum_j = sum of x;
  *       d * sc and dmin * m are exact (11-bit by 6-bit mantissas), so only the products with
- *       xd and the fmas round. The min term's xsum_j * xd[j] is a property of the token
- *       (ks_q8_block_sums), made once per block and token, not once per row as well.
+ *       xd and the fmas round. The min term's xsum_j * xd[j] belongs to the token: the
+ *       SIMD paths make it once per block and token (ks_q8_block_sums), not once per row.
  *   Q6_K:        acc = fma((float)isum_j, d * xd[j], acc)
  *       isum_j = sc[2s] * (sum of (q - 32) * x over values 0..15 of the block)
  *              + sc[2s+1] * (the same over values 16..31), exact in int32.
@@ -521,7 +521,7 @@ KS_INLINE void ks_kq_tile(const int kind, const int R, const int T, const uint8_
             for (int h = 0; h < 2; h++) {
                 const float dx = dp[4 * h / R][b];
                 acc[h] = vfmaq_f32(acc[h], is[h], vmulq_n_f32(d.val[h], dx));
-                if (kind != KS_KQ_Q6K)   /* fma(xsum, dm * dx, acc) */
+                if (kind != KS_KQ_Q6K)   /* fma(xsum * dx, dm, acc) */
                     acc[h] = vfmaq_n_f32(acc[h], dm[s].val[h],
                                          P.xs[4 * h / R][b]);
             }
