@@ -106,10 +106,11 @@ def interleaves(int qtype):
     return ks_il_rows(qtype)
 
 
-def interleave_rows(const uint8_t[:, ::1] w, int qtype, int cols):
+def interleave_rows(const uint8_t[:, ::1] w, int qtype, int cols, out=None):
     """The interleaved copy of w (rows of `cols` values of type qtype, as GGUF lays them
-    out): a new uint8 array of w's row bytes and its rows rounded up to whole groups of
-    interleaves(qtype) rows, aligned to 64 bytes (ks_weights.h gives the layout)."""
+    out): a uint8 array of w's row bytes and its rows rounded up to whole groups of
+    interleaves(qtype) rows, aligned to 64 bytes (ks_weights.h gives the layout); new, or
+    `out` filled and returned (a C-contiguous uint8 array of that shape, 64-byte aligned)."""
     cdef int group = ks_il_rows(qtype)
     if not group:
         raise ValueError(f"interleave_rows: weight type {qtype} is not interleaved on this CPU")
@@ -117,9 +118,16 @@ def interleave_rows(const uint8_t[:, ::1] w, int qtype, int cols):
     if cols <= 0 or cols % ks_type_block(qtype) or w.shape[1] != ks_type_row_bytes(qtype, cols):
         raise ValueError(f"interleave_rows: w must have {ks_type_row_bytes(qtype, cols)} bytes "
                          f"per row of {cols} values, got {w.shape[1]}")
-    raw = np.empty(rows * w.shape[1] + 64, np.uint8)
-    start = (-raw.ctypes.data) % 64
-    dst = raw[start:start + rows * w.shape[1]].reshape(-1, w.shape[1])
+    if out is None:
+        raw = np.empty(rows * w.shape[1] + 64, np.uint8)
+        start = (-raw.ctypes.data) % 64
+        dst = raw[start:start + rows * w.shape[1]].reshape(-1, w.shape[1])
+    elif (out.dtype != np.uint8 or out.shape != (rows, w.shape[1])
+          or not out.flags.c_contiguous or out.ctypes.data % 64):
+        raise ValueError(f"interleave_rows: out must be C-contiguous uint8 ({rows}, "
+                         f"{w.shape[1]}), 64-byte aligned")
+    else:
+        dst = out
     cdef uint8_t[:, ::1] dv = dst
     if m:
         with nogil:

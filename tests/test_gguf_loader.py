@@ -77,6 +77,21 @@ def test_smollm2_matrices_interleaved_where_the_cpu_has_the_product(smollm2):
     assert il.weights.type_shares() == smollm2.weights.type_shares()
 
 
+def test_interleaved_copies_lie_in_one_buffer_in_the_order_a_pass_reads_them(smollm2):
+    """The loader puts every interleaved copy in one buffer aligned to a 2 MiB huge page,
+    layer by layer in the order a pass reads the matrices, each start 64-byte aligned right
+    after the one before: decode streams them as one run of huge pages."""
+    il = load_model(smollm2_gguf()).weights
+    order = [m for L in il.layers for m in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down)]
+    order.append(il.output)
+    copies = [m for m in order if m.interleaved]
+    if not copies:
+        pytest.skip("no matrix of this file is interleaved on this CPU")
+    assert copies[0].data.ctypes.data % (2 << 20) == 0
+    for a, b in zip(copies, copies[1:]):
+        assert b.data.ctypes.data == a.data.ctypes.data + -(-a.data.nbytes // 64) * 64
+
+
 def test_metadata_parse_equals_gguf_reader():
     """Our fast metadata parse (one field per array) gives GGUFReader's values, key order,
     tensors and data offset on the real file."""

@@ -277,6 +277,29 @@ def test_dequantize_rows_rejects_the_padding_of_an_interleaved_copy():
             K.dequantize_rows(data, Q8_0, ids, got, interleaved, 40)
 
 
+
+def test_interleave_rows_into_a_given_buffer():
+    """out: the copy lands in the caller's buffer (the loader's one buffer for all of them),
+    byte for byte the copy interleave_rows makes on its own; a buffer of another shape or
+    type, or not 64-byte aligned, is refused and left as it was."""
+    if not K.interleaves(Q8_0):
+        pytest.skip("Q8_0 is not interleaved on this CPU")
+    rng = np.random.default_rng(13)
+    w, _, _ = make_q8_weights(rng, 50, 96)
+    want = K.interleave_rows(w, Q8_0, 96)
+    raw = np.zeros(want.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    out = raw[start:start + want.nbytes].reshape(want.shape)
+    assert K.interleave_rows(w, Q8_0, 96, out) is out
+    np.testing.assert_array_equal(out, want)
+    before = raw.copy()
+    for bad in (raw[start + 1:start + 1 + want.nbytes].reshape(want.shape),      # misaligned
+                raw[start:start + want.nbytes - want.shape[1]].reshape(-1, want.shape[1]),
+                np.zeros(want.shape, np.int8)):
+        with pytest.raises(ValueError, match="out must be"):
+            K.interleave_rows(w, Q8_0, 96, bad)
+    np.testing.assert_array_equal(raw, before)
+
 # ---- float kernels ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,d", [(1, 2048), (67, 576), (3 * 16, 128), (5, 13)])

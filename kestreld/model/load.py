@@ -98,21 +98,28 @@ def interleave_matrices(weights: ModelWeights, threads: int = 0) -> ModelWeights
     interleaved product on this CPU replaced by its interleaved copy (Matrix.interleave),
     except an untied token embedding (only read by rows, one per token) and MoE experts (only
     the chosen ones' pages are read, in place); a tied embedding is the output matrix, whose
-    copy then serves the row reads too. The pages of the map each copied matrix came from are
-    released, so resident memory does not grow (padding to whole groups aside). The copies
-    are made on `threads` threads (0: one per CPU this process may run on; the copy releases
-    the GIL)."""
-    def place(m: Optional[Matrix]) -> Optional[Matrix]:
-        if m is None:
+    copy then serves the row reads too. The copies lie one after the other, in the order a
+    pass reads them, in one buffer of huge pages where the kernel has them (_huge_page_buffer).
+    The pages of the map each copied matrix came from are released, so resident memory does
+    not grow (padding to whole groups aside). The copies are made on `threads` threads (0:
+    one per CPU this process may run on; the copy releases the GIL)."""
+    todo = [getattr(L, f) for L in weights.layers for f in _DENSE_MATRICES] + [weights.output]
+    shapes = [m.interleave_shape() if m is not None else None for m in todo]
+    sizes = [-(-s[0] * s[1] // _COPY_ALIGN) * _COPY_ALIGN if s else 0 for s in shapes]
+    buffer = _huge_page_buffer(sum(sizes))
+    ends = np.cumsum(sizes)
+
+    def place(i: int) -> Optional[Matrix]:
+        m, shape = todo[i], shapes[i]
+        if shape is None:
             return m
-        il = m.interleave()
-        if il is not m:
-            _release_mapped(m.data)
+        start = int(ends[i]) - sizes[i]
+        il = m.interleave(buffer[start:start + shape[0] * shape[1]].reshape(shape))
+        _release_mapped(m.data)
         return il
 
-    todo = [getattr(L, f) for L in weights.layers for f in _DENSE_MATRICES] + [weights.output]
     with ThreadPoolExecutor(threads or len(os.sched_getaffinity(0))) as pool:
-        done = iter(list(pool.map(place, todo)))
+        done = iter(list(pool.map(place, range(len(todo)))))
     layers = [replace(L, **{f: next(done) for f in _DENSE_MATRICES}) for L in weights.layers]
     output = next(done)
     tied = weights.output is weights.tok_embd
@@ -122,6 +129,27 @@ def interleave_matrices(weights: ModelWeights, threads: int = 0) -> ModelWeights
 
 _DENSE_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _libc = ctypes.CDLL(None, use_errno=True)
+_COPY_ALIGN = 64                # each interleaved copy's start (the tiles' loads)
+_HUGE_PAGE = 2 << 20            # x86-64's and 4 KiB-page aarch64's transparent huge page
+
+
+def _huge_page_buffer(nbytes: int) -> np.ndarray:
+    """A new uint8 array of nbytes, its start aligned to a huge page, which the kernel is asked
+    to back with transparent huge pages (madvise MADV_HUGEPAGE; where THP is off, or set to
+    "never", it has 4 KiB pages as before). Decode streams every weight once per token: with
+    4 KiB pages each page is a TLB miss and a restart of the hardware prefetcher's stream, and
+    copies of a few MB each (numpy asks for huge pages only from 4 MB on, and a 1 MB buffer
+    seldom holds an aligned 2 MB page) got none."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    raw = np.empty(nbytes + _HUGE_PAGE, np.uint8)
+    start = (-raw.ctypes.data) % _HUGE_PAGE
+    buf = raw[start:start + nbytes]
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    whole = nbytes // _HUGE_PAGE * _HUGE_PAGE
+    if advice is not None and whole:
+        _libc.madvise(ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(whole), advice)
+    return buf
 
 
 def _release_mapped(a: np.ndarray) -> None:

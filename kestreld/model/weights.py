@@ -77,16 +77,24 @@ class Matrix:
         """Whether `data` is an interleaved copy rather than the rows."""
         return self.group_rows > 0
 
-    def interleave(self) -> "Matrix":
-        """This matrix's interleaved copy where the CPU has a product on it (K.interleaves:
-        groups of as many rows as its tiles take, 16, 8 or 4), else itself: a new buffer, in which
-        the tiles load each block field of a group's rows as one vector (pyx/ks_weights.h
-        gives the layout). Same values, same result bits."""
+    def interleave_shape(self) -> Optional[tuple]:
+        """The shape of this matrix's interleaved copy (its rows rounded up to whole groups,
+        its row bytes), or None where interleave() returns the matrix itself."""
         group = K.interleaves(int(self.qtype))
         if self.interleaved or self.n_mat != 1 or not group:
+            return None
+        return -(-self.rows // group) * group, row_bytes(self.qtype, self.cols)
+
+    def interleave(self, out: Optional[np.ndarray] = None) -> "Matrix":
+        """This matrix's interleaved copy where the CPU has a product on it (K.interleaves:
+        groups of as many rows as its tiles take, 16, 8 or 4), else itself: a new buffer, or
+        `out` (C-contiguous uint8 of interleave_shape(), 64-byte aligned), in which the tiles
+        load each block field of a group's rows as one vector (pyx/ks_weights.h gives the
+        layout). Same values, same result bits."""
+        if self.interleave_shape() is None:
             return self
-        return Matrix(K.interleave_rows(self.data, int(self.qtype), self.cols), self.qtype,
-                      self.rows, self.cols, group)
+        return Matrix(K.interleave_rows(self.data, int(self.qtype), self.cols, out), self.qtype,
+                      self.rows, self.cols, K.interleaves(int(self.qtype)))
 
     @classmethod
     def of_floats(cls, x: np.ndarray) -> "Matrix":
