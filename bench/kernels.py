@@ -4,6 +4,9 @@
   caches), one after the other, as a decode step reads its layers' matrices;
 - prefill (n = 64): GMAC/s on a 4096 x 4096 matrix, with the AVX512-VNNI path on and off
   (the same where the CPU has none);
+- decode of a small model's matrices (Q4_0 and Q4_K, the Qwen3-0.6B shape's 196 matrices of
+  0.6-1.7 MB, interleaved): weight GB/s with each copy in its own array and with the copies in
+  one buffer of huge pages, as the loader places them (kestreld/model/load.py);
 
 each on the rows as a GGUF file lays them out and, where this CPU has that product, on their
 copy interleaved as the loader makes it (ks_weights.h; 16, 8 or 4 rows a group), one line
@@ -28,6 +31,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from ggml_blocks import random_blocks  # tests/: valid blocks of every GGML type
 from kestreld.kernels import K
+from kestreld.model.load import huge_page_views
 
 TYPES = tuple(QT(t) for t in K.compute_types())
 
@@ -93,6 +97,32 @@ def main():
                       f"{m * k * n / best / 1e9:6.2f} GMAC/s best, {m * k * n / med / 1e9:6.2f} "
                       f"median", flush=True)
     K.set_matmul_vnni(True)
+    for qt in (QT.Q4_0, QT.Q4_K):
+        if K.interleaves(int(qt)):
+            model_decode(rng, qt, args.reps)
+
+
+# (rows, cols) of one Qwen3-0.6B layer's matrices: q, k, v, o, gate, up, down
+LAYER_0_6B = ((2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024),
+              (3072, 1024), (1024, 3072))
+
+
+def model_decode(rng, qt, reps, layers=28):
+    """One token through the 0.6B shape's matrices, one after the other: their interleaved
+    copies each in its own array, then in one buffer of huge pages."""
+    mats = [(K.interleave_rows(random_blocks(rng, qt, m, k), int(qt), k), k) for _ in range(layers)
+            for m, k in LAYER_0_6B]
+    x = {k: activations(rng, 1, k) for k in {k for _, k in LAYER_0_6B}}
+    outs = [np.empty((1, w.shape[0]), np.float32) for w, _ in mats]
+    packed = [(v, k) for v, (_, k) in zip(huge_page_views([w.shape for w, _ in mats]), mats)]
+    for (v, _), (w, _) in zip(packed, mats):
+        v[...] = w
+    gb = sum(w.nbytes for w, _ in mats) / 1e9
+    for layout, ws in (("own arrays", mats), ("one buffer", packed)):
+        best, med = timed(lambda: [K.matmul(w, int(qt), *x[k], out, 1, True)
+                                   for (w, k), out in zip(ws, outs)], reps)
+        print(f"decode  {qt.name:5} 0.6B shape, {layout:10} {gb / best:6.2f} GB/s best, "
+              f"{gb / med:6.2f} median", flush=True)
 
 
 if __name__ == "__main__":

@@ -99,23 +99,18 @@ def interleave_matrices(weights: ModelWeights, threads: int = 0) -> ModelWeights
     except an untied token embedding (only read by rows, one per token) and MoE experts (only
     the chosen ones' pages are read, in place); a tied embedding is the output matrix, whose
     copy then serves the row reads too. The copies lie one after the other, in the order a
-    pass reads them, in one buffer of huge pages where the kernel has them (_huge_page_buffer).
+    pass reads them, in one buffer of huge pages where the kernel has them (huge_page_views).
     The pages of the map each copied matrix came from are released, so resident memory does
     not grow (padding to whole groups aside). The copies are made on `threads` threads (0:
     one per CPU this process may run on; the copy releases the GIL)."""
     todo = [getattr(L, f) for L in weights.layers for f in _DENSE_MATRICES] + [weights.output]
-    shapes = [m.interleave_shape() if m is not None else None for m in todo]
-    sizes = [-(-s[0] * s[1] // _COPY_ALIGN) * _COPY_ALIGN if s else 0 for s in shapes]
-    buffer = _huge_page_buffer(sum(sizes))
-    ends = np.cumsum(sizes)
+    outs = huge_page_views([m.interleave_shape() if m is not None else None for m in todo])
 
     def place(i: int) -> Optional[Matrix]:
-        m, shape = todo[i], shapes[i]
-        if shape is None:
-            return m
-        start = int(ends[i]) - sizes[i]
-        il = m.interleave(buffer[start:start + shape[0] * shape[1]].reshape(shape))
-        _release_mapped(m.data)
+        if outs[i] is None:
+            return todo[i]
+        il = todo[i].interleave(outs[i])
+        _release_mapped(todo[i].data)
         return il
 
     with ThreadPoolExecutor(threads or len(os.sched_getaffinity(0))) as pool:
@@ -150,6 +145,19 @@ def _huge_page_buffer(nbytes: int) -> np.ndarray:
     if advice is not None and whole:
         _libc.madvise(ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(whole), advice)
     return buf
+
+
+def huge_page_views(shapes: list) -> list:
+    """One uint8 array of each (rows, bytes) shape in `shapes` (None for None), views of one new
+    buffer of huge pages (_huge_page_buffer), one after the other in that order, each start
+    64-byte aligned."""
+    sizes = [-(-s[0] * s[1] // _COPY_ALIGN) * _COPY_ALIGN if s else 0 for s in shapes]
+    buf = _huge_page_buffer(sum(sizes))
+    views, at = [], 0
+    for shape, size in zip(shapes, sizes):
+        views.append(buf[at:at + shape[0] * shape[1]].reshape(shape) if shape else None)
+        at += size
+    return views
 
 
 def _release_mapped(a: np.ndarray) -> None:
