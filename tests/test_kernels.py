@@ -277,7 +277,6 @@ def test_dequantize_rows_rejects_the_padding_of_an_interleaved_copy():
             K.dequantize_rows(data, Q8_0, ids, got, interleaved, 40)
 
 
-
 def test_interleave_rows_into_a_given_buffer():
     """out: the copy lands in the caller's buffer (the loader's one buffer for all of them),
     byte for byte the copy interleave_rows makes on its own; a buffer of another shape or
@@ -299,6 +298,7 @@ def test_interleave_rows_into_a_given_buffer():
         with pytest.raises(ValueError, match="out must be"):
             K.interleave_rows(w, Q8_0, 96, bad)
     np.testing.assert_array_equal(raw, before)
+
 
 # ---- float kernels ----------------------------------------------------------------------------
 
