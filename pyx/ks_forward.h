@@ -510,7 +510,7 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
     const ks_batch *B = J->B;
     const int n = B->n, nthreads = S->nthreads;
     float *scratch = S->attn_scratch + tid * S->attn_floats;
-    ks_walk walk = {T, pass, 0, tid, 0, 0, 0, 0, 0}, *w = &walk;
+    ks_walk walk = {.team = T, .pass = pass, .tid = tid}, *w = &walk;
     int moe_layer = 0;
 
     KS_EACH_ITEM(w, n, t) {      /* with layer 0's residual step (its attention norm) */

@@ -42,12 +42,17 @@
 
 #define KS_SPIN_NS 20000      /* a wait spins this long before it sleeps */
 
-/* One phase of the current pass: its claim counter (pass << 32 | items claimed) and the
- * number of its items done, on a cache line of their own. */
+/* One thread's share of a phase's items in the current pass: its claim counter (pass << 32 |
+ * items of the share claimed), on a cache line of its own. */
 typedef struct {
     uint64_t next;
+    char pad[64 - sizeof(uint64_t)];
+} ks_share;
+
+/* The number of a phase's items done in the current pass, on a cache line of its own. */
+typedef struct {
     uint32_t done;
-    char pad[64 - sizeof(uint64_t) - sizeof(uint32_t)];
+    char pad[64 - sizeof(uint32_t)];
 } ks_phase;
 
 struct ks_team;
@@ -57,6 +62,7 @@ typedef struct ks_team {
     int nthreads;                 /* the caller (tid 0) and nthreads - 1 workers */
     int n_phases;                 /* phases a pass may have */
     ks_phase *phases;
+    ks_share *shares;             /* (n_phases, nthreads): thread s's share of phase p at p * nthreads + s */
     pthread_t *workers;
     ks_team_fn fn;                /* what a pass runs, on every thread */
     const void *job;              /* its arguments, read by fn */
@@ -158,7 +164,9 @@ typedef struct {
     int phase;        /* index of the current phase */
     int tid;
     uint32_t taken;   /* items this thread took in this pass */
-    int first, next, end;   /* the run of items claimed last: first .. end - 1, next to do */
+    int scan;         /* shares of this phase found empty: the next to try is (tid + scan) % nthreads */
+    int held;         /* items taken in this phase and not yet counted done */
+    int next, end;    /* the run of items claimed last: next .. end - 1 still to do */
     int last;         /* this thread counted the phase's last item: it closes the phase */
 } ks_walk;
 
@@ -182,50 +190,69 @@ static inline void ks_phase_close(ks_walk *w)
         ks_team_publish(w->team);
 }
 
+/* Items [lo, hi) of the phase's `items` that are share s of nthreads. */
+static inline void ks_share_bounds(int items, int s, int nthreads, int *lo, int *hi)
+{
+    *lo = (int)((int64_t)items * s / nthreads);
+    *hi = (int)((int64_t)items * (s + 1) / nthreads);
+}
+
 /* The next item of the walk's current phase (0 .. items - 1) for this thread to do, or -1:
- * none left, or the team is past this phase (items < 0: KS_EACH_ITEM found it so). Items
- * are claimed in runs that shrink as the phase empties (a quarter of what is left per
- * thread, down to one), so a phase costs a few claims per thread while its last items still
- * spread over all of them; a run's items are counted done when the thread comes back for
- * more, and the thread that counts the last one (of an empty phase: the first to look) is
- * the phase's last (ks_phase_last), which closes it in ks_phase_end. (While a thread holds
- * uncounted items the phase stays open, so its count is the phase's own.) */
+ * none left, or the team is past this phase (items < 0: KS_EACH_ITEM found it so).
+ *
+ * A phase's items are cut into one contiguous share per thread. A thread claims from its own
+ * share first, in runs of a quarter of what is left of it (down to one), then from the
+ * others' shares in turn, the same way. So a thread that runs walks one stretch of a
+ * matrix, each run next to the one before: the prefetches of a run's last tile ask for the
+ * next run's first, and the claims touch a cache line no other thread writes until the
+ * share is nearly done. Yet what a descheduled thread holds is one run, a small part of the
+ * phase; the threads that run take the rest of its share.
+ *
+ * A thread counts the items it took as done once, when it finds none left, and the thread
+ * that counts the last one (of an empty phase: the first to look) is the phase's last
+ * (ks_phase_last), which closes it in ks_phase_end. (While a thread holds uncounted items
+ * the phase stays open, so its count is the phase's own.) */
 static inline int ks_claim(ks_walk *w, int items)
 {
     if (w->next < w->end)
         return w->next++;
-    ks_phase *ph = &w->team->phases[w->phase];
-    if (w->end > w->first) {
-        if ((int)__atomic_add_fetch(&ph->done, (uint32_t)(w->end - w->first), __ATOMIC_SEQ_CST) == items)
+    ks_team *T = w->team;
+    const int P = T->nthreads;
+    ks_share *shares = T->shares + (int64_t)w->phase * P;
+    for (; items > 0 && w->scan < P; w->scan++) {
+        const int s = (w->tid + w->scan) % P;
+        int lo, hi;
+        ks_share_bounds(items, s, P, &lo, &hi);
+        uint64_t v = __atomic_load_n(&shares[s].next, __ATOMIC_ACQUIRE);
+        for (;;) {
+            const int at = lo + (int)(uint32_t)v;
+            if ((uint32_t)(v >> 32) != w->pass || at >= hi)
+                break;
+            int run = (hi - at) / 4;
+            run = run < 1 ? 1 : run;
+            if (__atomic_compare_exchange_n(&shares[s].next, &v, v + (uint64_t)run, 1,
+                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                w->taken += (uint32_t)run;
+                w->held += run;
+                w->next = at + 1;
+                w->end = at + run;
+                return at;
+            }
+        }
+    }
+    if (w->held > 0) {
+        ks_phase *ph = &T->phases[w->phase];
+        if ((int)__atomic_add_fetch(&ph->done, (uint32_t)w->held, __ATOMIC_SEQ_CST) == items)
             w->last = 1;
-        w->first = w->end;
+        w->held = 0;
     }
-    if (items < 0)
-        return -1;
-    uint64_t v = __atomic_load_n(&ph->next, __ATOMIC_ACQUIRE);
-    for (;;) {
-        const int claimed = (int)(uint32_t)v;
-        if ((uint32_t)(v >> 32) != w->pass)
-            return -1;
-        if (items == 0) {    /* an empty phase: the one thread whose claim lands closes it */
-            if (claimed == 0 && __atomic_compare_exchange_n(&ph->next, &v, v + 1, 0,
-                                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-                w->last = 1;
-            return -1;
-        }
-        if (claimed >= items)
-            return -1;
-        int run = (items - claimed) / (4 * w->team->nthreads);
-        run = run < 1 ? 1 : run;
-        if (__atomic_compare_exchange_n(&ph->next, &v, v + (uint64_t)run, 1, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_ACQUIRE)) {
-            w->taken += (uint32_t)run;
-            w->first = claimed;
-            w->next = claimed + 1;
-            w->end = claimed + run;
-            return claimed;
-        }
+    if (items == 0) {    /* an empty phase: the one thread whose claim lands closes it */
+        uint64_t v = (uint64_t)w->pass << 32;
+        if (__atomic_compare_exchange_n(&shares[0].next, &v, v + 1, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_RELAXED))
+            w->last = 1;
     }
+    return -1;
 }
 
 /* Whether this thread finished the current phase's last item (its KS_EACH_ITEM loop is
@@ -248,7 +275,7 @@ static inline int ks_phase_end(ks_walk *w)
     if ((__atomic_load_n(&w->team->now, __ATOMIC_ACQUIRE) >> 32) != w->pass)
         return 0;
     w->phase++;
-    w->first = w->next = w->end = 0;
+    w->scan = w->next = w->end = 0;
     return 1;
 }
 
@@ -293,9 +320,13 @@ static int ks_team_init(ks_team *T, int nthreads, int n_phases, ks_team_fn fn)
         return -1;
     T->phases = mem;
     memset(T->phases, 0, sizeof(ks_phase) * (size_t)n_phases);
+    const size_t share_bytes = sizeof(ks_share) * (size_t)n_phases * (size_t)nthreads;
+    if (posix_memalign(&mem, 64, share_bytes) != 0)
+        mem = NULL;
+    T->shares = mem;
     T->items = calloc((size_t)nthreads, sizeof(uint32_t));
     T->workers = calloc((size_t)nthreads, sizeof(pthread_t));
-    if (!T->items || !T->workers) {
+    if (!T->shares || !T->items || !T->workers) {
         ks_team_free(T);
         return -1;
     }
@@ -321,6 +352,7 @@ static void ks_team_free(ks_team *T)
     for (int tid = 1; tid < T->nthreads; tid++)
         pthread_join(T->workers[tid], NULL);
     free(T->phases);
+    free(T->shares);
     free(T->items);
     free(T->workers);
     memset(T, 0, sizeof *T);
@@ -335,7 +367,9 @@ static void ks_team_run(ks_team *T, const void *job)
         pass = 1;
     T->job = job;
     for (int p = 0; p < T->n_phases; p++) {
-        __atomic_store_n(&T->phases[p].next, (uint64_t)pass << 32, __ATOMIC_RELAXED);
+        for (int s = 0; s < T->nthreads; s++)
+            __atomic_store_n(&T->shares[p * T->nthreads + s].next, (uint64_t)pass << 32,
+                             __ATOMIC_RELAXED);
         __atomic_store_n(&T->phases[p].done, 0, __ATOMIC_RELEASE);
     }
     __atomic_store_n(&T->now, (uint64_t)pass << 32, __ATOMIC_SEQ_CST);

@@ -338,7 +338,7 @@ static void ks_vision_walk(ks_team *T, int tid, uint32_t pass)
     const int n = P->n, H = V->hidden, nh = V->n_heads, hd = H / nh, nthreads = P->nthreads;
     const int n_tiles = (n + KS_VATTN_QUERIES - 1) / KS_VATTN_QUERIES;
     float *scratch = P->attn_scratch + tid * P->attn_floats;
-    ks_walk walk = {T, pass, 0, tid, 0, 0, 0, 0, 0}, *w = &walk;
+    ks_walk walk = {.team = T, .pass = pass, .tid = tid}, *w = &walk;
 
     KS_EACH_ITEM(w, n, t)
         ks_vnorm_row(V, P, t, V->blocks[0].norm1_w, V->blocks[0].norm1_b);
