@@ -221,8 +221,17 @@ static void KS_AN(ks_attn_range)(int nq, int hd, const float *restrict qs,
            rows past nj are zero so whole strips can be used */
         ks_f32_of_i8(vf, vq + (int64_t)j0 * hd, (int64_t)nj * hd);
         const int run = KS_AP == 1 ? hd : 8;    /* floats of a key K lies contiguously in kf */
+        /* keys of the next block: each key's K and V rows are asked for as this block's key
+           of the same index is converted, so the requests go out spread over the block (a
+           long context's KV is read once per token, like the weights, and the blocks are
+           too short for the hardware prefetcher to get ahead) */
+        const int next_n = kend - j0 - kv_bs < kv_bs ? kend - j0 - kv_bs : kv_bs;
         for (int j = 0; j < nj; j++) {
             const int8_t *kr = kq + (int64_t)(j0 + j) * hd;
+            if (j < next_n) {
+                ks_prefetch_rows((const uint8_t *)(kr + (int64_t)kv_bs * hd), hd, 0);
+                ks_prefetch_rows((const uint8_t *)(vq + (int64_t)(j0 + kv_bs + j) * hd), hd, 0);
+            }
             float *kd = kf + (int64_t)(j - j % KS_AP) * hd + 8 * (j % KS_AP);
             for (int d = 0; d < hd; d += run)
                 ks_f32_of_i8(kd + KS_AP * d, kr + d, run);
