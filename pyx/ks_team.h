@@ -2,14 +2,15 @@
  *
  * A pass is a fixed sequence of phases; each phase is a number of independent work items
  * that any thread may take. Every thread of the team walks the phases in order: it claims
- * items from the phase's counter until none is left, then waits until every item of the
- * phase is done (the phase's inputs for the next one). So a barrier waits only for items in
- * flight, never for a thread that holds none: when the kernel deschedules a thread (another
- * process wants its core), the threads that run take its share, and the late thread, once
- * back, finds the finished phases empty and joins where the others are, or, if the pass is
- * over, waits for the next one. OpenMP's teams (and llama.cpp's pool) instead give each
- * thread a fixed share and make every barrier wait for every thread, so one descheduled
- * thread stops all of them for a whole time slice, at every barrier.
+ * items (from its own share of the phase first, then from the others', ks_claim) until none
+ * is left, then waits until every item of the phase is done (the phase's inputs for the next
+ * one). So a barrier waits only for items in flight, never for a thread that holds none: when
+ * the kernel deschedules a thread (another process wants its core), the threads that run take
+ * what is left of its share, and the late thread, once back, finds the finished phases empty
+ * and joins where the others are, or, if the pass is over, waits for the next one. OpenMP's
+ * teams (and llama.cpp's pool) instead give each thread a fixed share that only it does and
+ * make every barrier wait for every thread, so one descheduled thread stops all of them for a
+ * whole time slice, at every barrier.
  *
  * Waits spin briefly (a phase normally ends within microseconds), then sleep on a futex so
  * that the core is free for whatever holds the awaited item: an idle core is where Linux
