@@ -63,7 +63,7 @@ typedef struct ks_team {
     int nthreads;                 /* the caller (tid 0) and nthreads - 1 workers */
     int n_phases;                 /* phases a pass may have */
     ks_phase *phases;
-    ks_share *shares;             /* (n_phases, nthreads): thread s's share of phase p at p * nthreads + s */
+    ks_share *shares;             /* (n_phases, nthreads): share s of phase p at p * nthreads + s */
     pthread_t *workers;
     ks_team_fn fn;                /* what a pass runs, on every thread */
     const void *job;              /* its arguments, read by fn */
@@ -165,7 +165,7 @@ typedef struct {
     int phase;        /* index of the current phase */
     int tid;
     uint32_t taken;   /* items this thread took in this pass */
-    int scan;         /* shares of this phase found empty: the next to try is (tid + scan) % nthreads */
+    int scan;         /* shares found empty: the next to try is (tid + scan) % nthreads */
     int held;         /* items taken in this phase and not yet counted done */
     int next, end;    /* the run of items claimed last: next .. end - 1 still to do */
     int last;         /* this thread counted the phase's last item: it closes the phase */
