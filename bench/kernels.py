@@ -31,7 +31,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from ggml_blocks import random_blocks  # tests/: valid blocks of every GGML type
 from kestreld.kernels import K
-from kestreld.model.load import huge_page_views
+from kestreld.model.load import buffer_views
 
 TYPES = tuple(QT(t) for t in K.compute_types())
 
@@ -114,7 +114,7 @@ def model_decode(rng, qt, reps, layers=28):
             for m, k in LAYER_0_6B]
     x = {k: activations(rng, 1, k) for k in {k for _, k in LAYER_0_6B}}
     outs = [np.empty((1, w.shape[0]), np.float32) for w, _ in mats]
-    packed = [(v, k) for v, (_, k) in zip(huge_page_views([w.shape for w, _ in mats]), mats)]
+    packed = [(v, k) for v, (_, k) in zip(buffer_views([w.shape for w, _ in mats]), mats)]
     for (v, _), (w, _) in zip(packed, mats):
         v[...] = w
     gb = sum(w.nbytes for w, _ in mats) / 1e9

@@ -32,6 +32,9 @@ cdef int _fill_matrix(ks_matrix *out, object m, Py_ssize_t rows, Py_ssize_t cols
     out.type, out.rows, out.cols, out.n_mat = qtype, <int32_t>rows, <int32_t>cols, <int32_t>n_mat
     out.row_stride, out.mat_stride = rb, rb * rows
     out.interleave = m.group_rows
+    out.copies = NULL
+    if m.copies is not None:
+        _fill_copies(out, m.copies, what)
     if n_mat == 1 and m.data.ndim == 2:
         mv2 = m.data
         if mv2.shape[1] != rb:
@@ -42,6 +45,23 @@ cdef int _fill_matrix(ks_matrix *out, object m, Py_ssize_t rows, Py_ssize_t cols
         if mv3.shape[2] != rb:
             raise ValueError(f"Forward: {what} rows have {mv3.shape[2]} bytes, want {rb}")
         out.data = &mv3[0, 0, 0]
+    return 0
+
+
+cdef int _fill_copies(ks_matrix *out, object c, str what) except -1:
+    """out's expert copies := the ExpertCopies c (checked against out's shape and type)."""
+    cdef uint8_t[:, :, ::1] data = c.data
+    cdef uint8_t[:, ::1] state = c.state
+    cdef int32_t[::1] left = c.left
+    cdef Py_ssize_t groups = (out.rows + c.group_rows - 1) // c.group_rows
+    if (c.group_rows != ks_il_rows(out.type) or data.shape[0] != out.n_mat
+            or data.shape[1] != groups * c.group_rows or data.shape[2] != out.row_stride
+            or state.shape[0] != out.n_mat or state.shape[1] != groups
+            or left.shape[0] != out.n_mat):
+        raise ValueError(f"Forward: {what} have copies that do not fit them here")
+    out.copies, out.copy_state, out.copy_left = &data[0, 0, 0], &state[0, 0], &left[0]
+    out.copy_stride = data.shape[1] * data.shape[2]
+    out.copy_rows, out.copy_release = c.group_rows, bool(c.release)
     return 0
 
 

@@ -28,6 +28,16 @@
 #  endif
 #endif
 
+/* A spinning wait's pause: the sibling hyperthread or core gets the pipeline meanwhile. */
+static inline void ks_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 /* acc + a*b with the one rounding every path uses. Where the CPU has FMA, the plain path
  * calls fmaf (inlined to one instruction) and the SIMD paths use vector FMA; where it has
  * not, nobody fuses. Writing it out keeps -ffp-contract from deciding for us. */

@@ -63,6 +63,12 @@ cdef extern from "ks_weights.h" nogil:
         int32_t rows, cols
         int32_t n_mat
         int32_t interleave
+        uint8_t *copies
+        uint8_t *copy_state
+        int32_t *copy_left
+        int64_t copy_stride
+        int32_t copy_rows
+        int32_t copy_release
     int KS_N_TYPES
     ctypedef struct ks_type_ops:
         int type

@@ -76,15 +76,6 @@ typedef struct ks_team {
 
 typedef struct { ks_team *team; int tid; } ks_worker;
 
-static inline void ks_cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 static inline int64_t ks_now_ns(void)
 {
     struct timespec ts;

@@ -7,10 +7,11 @@
  * block field of those rows side by side, so the tiles load them as vectors rather than gather
  * them from the rows.
  * Matrices of different types stand side by side in one model (a Q4_K_M file mixes four), and
- * a stack of MoE experts is one ks_matrix with n_mat > 1. A layer is a ks_layer of matrices and norm
- * vectors; the model is a ks_model. kestreld/model/weights.py is the Python side (Matrix,
- * LayerWeights, ModelWeights); pyx/forward.pxi builds these structs from those dataclasses
- * by field name.
+ * a stack of MoE experts is one ks_matrix with n_mat > 1, in rows in the map; it may have
+ * interleaved copies, which the products make as each expert is first chosen
+ * (ks_expert_copy). A layer is a ks_layer of matrices and norm vectors; the model is a
+ * ks_model. kestreld/model/weights.py is the Python side (Matrix, ExpertCopies, LayerWeights,
+ * ModelWeights); pyx/forward.pxi builds these structs from those dataclasses by field name.
  *
  * The operations every type the kernels compute on provides (one row of ks_type_ops,
  * below), dispatched here on ks_matrix.type:
@@ -28,6 +29,8 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "ks_common.h"
 #include "ks_q8.h"
@@ -56,6 +59,15 @@ typedef struct {
     int32_t n_mat;            /* 1, or the number of stacked experts */
     int32_t interleave;       /* 0: rows as the file lays them out; else the rows per
                                  interleaved group (n_mat 1; rows rounded up to whole groups) */
+    /* MoE experts (n_mat > 1, in rows) may have interleaved copies, made as each expert is
+       first multiplied (ks_expert_copy); copies NULL: none */
+    uint8_t *copies;          /* expert e's copy at copies + e * copy_stride (whole groups) */
+    uint8_t *copy_state;      /* (n_mat, groups): KS_COPY_* of each group of each expert */
+    int32_t *copy_left;       /* (n_mat): groups of each expert not yet KS_COPY_MADE */
+    int64_t copy_stride;      /* bytes between experts' copies */
+    int32_t copy_rows;        /* rows per group of the copies (ks_il_rows(type)) */
+    int32_t copy_release;     /* 1: data is a file's map, whose pages an expert's finished
+                                 copy releases (madvise MADV_DONTNEED) */
 } ks_matrix;
 
 /* rows [r0, r1) of out (n, m) = w (m, k) . xq (n, k)^T (KS_ROWS_PARAMS, ks_q8.h) */
@@ -285,13 +297,72 @@ static inline void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float
     t->dequant_row(row, out, w->cols);
 }
 
+/* The product on groups of W interleaved rows of the type on this CPU (ks_il_rows). */
+static inline ks_rows_fn ks_il_product(const ks_type_ops *t, int W)
+{
+    return W == 16 ? t->rows_il16 : W == 8 ? t->rows_il8 : W == 4 ? t->rows_il4 : NULL;
+}
+
+/* ---- MoE experts' copies, made as they are first used -------------------------------------
+ * A stack of experts stays in the map as the file lays it out, so that loading reads none and
+ * a request reads only the experts it chooses. Where the CPU has an interleaved product, each
+ * expert's groups are copied into their interleaved layout the first time a product needs
+ * them, by the thread whose work item that is; the first thread to come to a group copies it,
+ * another that needs it meanwhile waits. Once all of an expert's groups are copied, the whole
+ * pages of its rows in the file's map are released: the copy takes their place in memory. */
+enum { KS_COPY_NONE, KS_COPY_BUSY, KS_COPY_MADE };
+
+/* Drops the whole pages within [p, p + n) from this process (the file's page cache keeps
+ * them: a later read faults them back in). */
+static inline void ks_release_pages(const uint8_t *p, int64_t n)
+{
+#ifdef MADV_DONTNEED
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t lo = ((uintptr_t)p + page - 1) / page * page;
+    const uintptr_t hi = ((uintptr_t)p + n) / page * page;
+    if (hi > lo)
+        madvise((void *)lo, hi - lo, MADV_DONTNEED);
+#else
+    (void)p; (void)n;
+#endif
+}
+
+/* Expert e's interleaved copy (w->copies), made first where the groups holding rows
+ * [r0, r1) are not yet (r0 a multiple of w->copy_rows). */
+static inline const uint8_t *ks_expert_copy(const ks_type_ops *t, const ks_matrix *w, int e,
+                                            int r0, int r1)
+{
+    const int W = w->copy_rows, groups = (w->rows + W - 1) / W;
+    const int64_t gb = (int64_t)W * w->row_stride;
+    uint8_t *il = w->copies + (int64_t)e * w->copy_stride;
+    uint8_t *rows = (uint8_t *)ks_matrix_row(w, e, 0);
+    for (int g = r0 / W; g * W < r1; g++) {
+        uint8_t *state = w->copy_state + (int64_t)e * groups + g;
+        uint8_t none = KS_COPY_NONE;
+        if (__atomic_load_n(state, __ATOMIC_ACQUIRE) == KS_COPY_MADE)
+            continue;
+        if (!__atomic_compare_exchange_n(state, &none, KS_COPY_BUSY, 0, __ATOMIC_ACQUIRE,
+                                         __ATOMIC_ACQUIRE)) {
+            while (__atomic_load_n(state, __ATOMIC_ACQUIRE) != KS_COPY_MADE)
+                ks_cpu_relax();
+            continue;
+        }
+        ks_interleave_group(t, W, w->cols / t->block, il + g * gb, rows + g * gb, 0,
+                            w->rows - g * W < W ? w->rows - g * W : W, 0);
+        __atomic_store_n(state, KS_COPY_MADE, __ATOMIC_RELEASE);
+        if (__atomic_sub_fetch(w->copy_left + e, 1, __ATOMIC_ACQ_REL) == 0 && w->copy_release)
+            ks_release_pages(rows, (int64_t)w->rows * w->row_stride);
+    }
+    return il;
+}
+
 #define KS_EXPERT_GROUP_TOKENS 4     /* an expert's rows go through 4-row groups from here on */
 
-/* The product of ks_matrix_rows on stacked experts' rows (r0 a multiple of 4) through 4-row
- * groups copied for the call, for the NEON dotprod tiles: the loader keeps experts as rows (a
- * copy at load would make every expert resident), and with a few tokens an expert's rows cost
- * less copied and multiplied in groups than multiplied as rows. The same results (every layout
- * gives the same bits). Returns -1 if the copy's memory cannot be had, else 0. */
+/* The product of ks_matrix_rows on stacked experts' rows without copies (r0 a multiple of 4)
+ * through 4-row groups copied for the call, for the NEON dotprod tiles: with a few tokens an
+ * expert's rows cost less copied and multiplied in groups than multiplied as rows. The same
+ * results (every layout gives the same bits). Returns -1 if the copy's memory cannot be had,
+ * else 0. */
 static inline int ks_matrix_rows_grouped(const ks_type_ops *t, const ks_matrix *w,
                                          const uint8_t *data, const int8_t *xq, const float *xd,
                                          const int16_t *xh, int n, float *out, int r0, int r1)
@@ -309,19 +380,25 @@ static inline int ks_matrix_rows_grouped(const ks_type_ops *t, const ks_matrix *
 
 /* Rows [r0, r1) of out (n, rows) = matrix e of w (rows, cols) . x^T, for the n activation
  * rows x as ks_quantize_row_q8_0 made them (xq (n, cols) int8, xd (n, cols/32) scales, xh
- * (n, cols/16) half sums); r0 a multiple of w's group rows where it is interleaved. Every type
- * computes each output from exact integer block sums and a fixed-order float epilogue, so the
- * result does not depend on the layout, r0, r1 or the thread that computes it. */
+ * (n, cols/16) half sums); r0 a multiple of w's group rows where it is interleaved. Experts'
+ * copies are made first where they are not yet (an r0 off their groups reads the rows). Every
+ * type computes each output from exact integer block sums and a fixed-order float epilogue, so
+ * the result does not depend on the layout, r0, r1 or the thread that computes it. */
 static inline void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
                                   const int16_t *xh, int n, float *out, int r0, int r1)
 {
     const ks_type_ops *t = ks_type(w->type);
+    if (w->copies && r0 % w->copy_rows == 0) {
+        ks_il_product(t, w->copy_rows)(ks_expert_copy(t, w, e, r0, r1), w->row_stride, xq, xd,
+                                       xh, n, w->cols, out, w->rows, r0, r1);
+        return;
+    }
     if (w->n_mat > 1 && !w->interleave && t->rows_il4 && n >= KS_EXPERT_GROUP_TOKENS &&
         r0 % 4 == 0 && ks_matrix_rows_grouped(t, w, w->data + (int64_t)e * w->mat_stride, xq, xd,
                                               xh, n, out, r0, r1) == 0)
         return;
-    (w->interleave == 16 ? t->rows_il16 : w->interleave == 8 ? t->rows_il8
-     : w->interleave == 4 ? t->rows_il4 : t->rows_vnni && ks_use_vnni() ? t->rows_vnni : t->rows)(
+    (w->interleave ? ks_il_product(t, w->interleave)
+     : t->rows_vnni && ks_use_vnni() ? t->rows_vnni : t->rows)(
         w->data + (int64_t)e * w->mat_stride, w->row_stride, xq, xd, xh, n, w->cols, out,
         w->rows, r0, r1);
 }

@@ -59,6 +59,7 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
     W.data, W.row_stride, W.mat_stride = &w[0, 0], w.shape[1], 0
     W.type, W.rows, W.cols, W.n_mat = qtype, <int32_t>m, <int32_t>k, 1
     W.interleave = group
+    W.copies = NULL
     cdef int16_t[:, ::1] xh = np.empty((n, k // 16), np.int16)    # xq's half sums
     for it in range(n):
         ks_q8_half_sums(&xq[it, 0], k, &xh[it, 0])

@@ -204,13 +204,17 @@ def test_model_on_k_quants_matches_the_reference(kind):
     for chunk, threads in ((7, 1), (1, 2)):          # prefill chunks, then decode steps
         again, again_routes = _logits(model, ids, chunk, threads)
         assert np.array_equal(again, got) and np.array_equal(again_routes, routes), chunk
-    # the dense matrices interleaved, where the CPU has that product: the same bits
+    # the dense matrices interleaved, and the experts copied as they are chosen, where the
+    # CPU has that product: the same bits
     il_weights = interleave_matrices(model.weights)
     assert bool(il_weights.interleaved_bytes()) == bool(K.interleaves(int(QT.Q4_K)))
     for chunk in (256, 1):
         again, again_routes = _logits(SimpleNamespace(config=model.config, weights=il_weights),
                                       ids[:64], chunk, 2)
         assert np.array_equal(again, got[:64]) and np.array_equal(again_routes, routes[:, :64])
+    for L in il_weights.layers if K.interleaves(int(QT.Q4_K)) else ():
+        experts = (L.moe.gate, L.moe.up, L.moe.down) if L.moe else ()
+        assert all(m.copies.made().any() and not m.copies.release for m in experts)
 
     ref_routes = []
     same = reference.forward(held, hf_cfg, ids, kv_int8=True, act_q8=True, routing=ref_routes)

@@ -33,19 +33,24 @@ def test_the_check_counts_weights_and_arena():
                     tied_embeddings=True, qk_norm=True, rope_neox=True, context_length=0)
     arena = 2112 * 28 * 8192                              # the design source's 484 MB
     fits = memory_check(Config(max_seq=8192), "m.gguf", available=arena + 1000)
-    fits(c, 1000)                                         # exactly fits
+    assert fits(c, 1000) is True                          # exactly fits
     with pytest.raises(InsufficientMemory, match="weights 0 MiB \\+ KV arena 462 MiB"):
         fits(c, 1001)
-    memory_check(Config(max_seq=8192, memory_check=False), "m.gguf", available=0)(c, 10**12)
+    # --no-memory-check goes on, and says it does not fit (MoE experts then stay in the map)
+    unchecked = memory_check(Config(max_seq=8192, memory_check=False), "m.gguf", available=0)
+    assert unchecked(c, 10**12) is False
 
 
 def test_the_start_up_line_says_where_the_weights_are():
     from types import SimpleNamespace
-    def model(copies):
-        return SimpleNamespace(conversion=None,
-                               weights=SimpleNamespace(interleaved_bytes=lambda: copies))
+    def model(copies, experts=False):
+        return SimpleNamespace(conversion=None, weights=SimpleNamespace(
+            interleaved_bytes=lambda: copies, copies_experts=lambda: experts))
     line = placement_line(model({}))
     assert line == "in place from the file's map"
     line = placement_line(model({"q4_k": 677_117_952, "q6_k": 168_591_360}))
     assert line == ("in place from the file's map; q4_k 677 MB, q6_k 169 MB interleaved "
                     "(--no-interleave keeps them in the map)")
+    line = placement_line(model({"q4_k": 47_000_000}, experts=True))
+    assert line == ("in place from the file's map; q4_k 47 MB interleaved (--no-interleave "
+                    "keeps them in the map); MoE experts interleaved as each is first chosen")

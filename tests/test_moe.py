@@ -32,6 +32,7 @@ from conftest import Transformers
 from kestreld.engine.generate import Engine
 from kestreld.engine.sampler import SamplingOptions
 from kestreld.model.gguf_file import GGUFSource
+from kestreld.model.weights import QType
 from kestreld.model.hf_dir import HFSource
 from kestreld.kernels import K
 from kestreld.model.load import load_model
@@ -374,13 +375,19 @@ def _map_pages_one_by_one(path: str, mapped: np.ndarray) -> None:
         raise OSError(ctypes.get_errno(), "madvise(MADV_RANDOM) failed")
 
 
-def test_only_chosen_experts_become_resident(moe_zoo):
-    """Q8_0 experts are used in place from the memory map, and only the ones routed to are
-    read: after one token, exactly its top-k experts per layer are resident; after a
-    prefill, exactly the union of the chunk's choices. (Neighbours may show a few pages
-    that the kernel maps around a fault.)"""
+@pytest.mark.parametrize("copies", [False, True], ids=["in-place", "copies"])
+def test_only_chosen_experts_become_resident(moe_zoo, copies):
+    """Q8_0 experts stay in the file's map, and only the ones routed to are read: after one
+    token, exactly its top-k experts per layer; after a prefill, exactly the union of the
+    chunk's choices. In place (--no-interleave), those are the experts whose pages are
+    resident (neighbours may show a few pages that the kernel maps around a fault). With
+    copies (where the CPU has an interleaved Q8_0 product), those are the experts whose
+    copies are made and resident, and whose pages in the map were released; the logits are
+    the in-place ones, bit for bit."""
+    if copies and not K.interleaves(int(QType.Q8_0)):
+        pytest.skip("no interleaved Q8_0 product on this CPU")
     path = str(moe_zoo.get("qwen3moe_pages").gguf["q8_0"])
-    loaded = load_model(path)
+    loaded = load_model(path, interleave=copies)
     _map_pages_one_by_one(path, loaded.keepalive[0].data)
     c = loaded.config
     engine = _engine(loaded, 128)
@@ -392,16 +399,23 @@ def test_only_chosen_experts_become_resident(moe_zoo):
                 L = loaded.weights.layers[i]
                 chosen = set(np.unique(chosen_per_layer[li]).tolist())
                 for part in ("gate", "up", "down"):
-                    res = [_resident_fraction(getattr(L.moe, part).data[e], fd)
-                           for e in range(c.n_experts)]
+                    m = getattr(L.moe, part)
+                    res = [_resident_fraction(m.data[e], fd) for e in range(c.n_experts)]
                     cold = [r for e, r in enumerate(res) if e not in chosen]
-                    assert all(res[e] == 1.0 for e in chosen), (li, part, res)
                     assert max(cold) < 0.5 and np.mean(cold) < 0.1, (li, part, res)
+                    if not copies:
+                        assert m.copies is None
+                        assert all(res[e] == 1.0 for e in chosen), (li, part, res)
+                        continue
+                    made = [_resident_fraction(m.copies.data[e], fd) for e in range(c.n_experts)]
+                    assert m.copies.made().tolist() == [e in chosen for e in range(c.n_experts)]
+                    assert made == [float(e in chosen) for e in range(c.n_experts)], made
+                    assert np.mean([res[e] for e in chosen]) < 0.5, (li, part, res)
 
         before = [_resident_fraction(L.moe.up.data, fd) for L in loaded.weights.layers]
         assert max(before) < 0.05, before                  # loading touches no expert
         first = np.empty((n_moe, 1, k), np.int32)
-        engine.forward([5], routing=first)                 # one token: decode
+        logits = engine.forward([5], routing=first).copy()  # one token: decode
         check(first)
         ids = modelgen_moe.prompt_ids("qwen3moe_pages", 12, seed=9)
         chunk = np.empty((n_moe, 12, k), np.int32)
@@ -411,3 +425,20 @@ def test_only_chosen_experts_become_resident(moe_zoo):
         print(f"expert pages resident after 13 tokens: {touched:.2f}")
     finally:
         os.close(fd)
+    if copies:
+        in_place = _engine(load_model(path, interleave=False), 128)
+        assert np.array_equal(in_place.forward([5]), logits)
+
+
+def test_experts_stay_in_place_when_the_weights_do_not_fit(moe_zoo):
+    """Where the memory check says the weights do not fit (and --no-memory-check goes on),
+    experts get no copies: they stay in the map, whose pages the kernel can drop again."""
+    path = str(moe_zoo.get("qwen3moe_pages").gguf["q8_0"])
+    seen = []
+    tight = load_model(path, fits=lambda config, nbytes: seen.append(nbytes) or False)
+    roomy = load_model(path, fits=lambda config, nbytes: True)
+    assert seen and seen[0] > 0
+    for model, want in ((tight, False), (roomy, bool(K.interleaves(int(QType.Q8_0))))):
+        for i in model.config.moe_layers:
+            moe = model.weights.layers[i].moe
+            assert all((m.copies is not None) == want for m in (moe.gate, moe.up, moe.down))

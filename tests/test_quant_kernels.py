@@ -188,6 +188,11 @@ def test_model_in_the_type_matches_the_reference(models, qtype, name):
     assert bool(loaded.weights.interleaved_bytes()) == bool(K.interleaves(int(qtype)))
     flat = _engine(in_map, n, 256).forward_logits(ids, 0)
     assert np.array_equal(flat.view(np.uint32), got.view(np.uint32))
+    # MoE experts: copied as they were chosen (where the CPU has the product), or in the map
+    for L in (L for L in loaded.weights.layers if L.moe):
+        for m in (L.moe.gate, L.moe.up, L.moe.down):
+            copied = m.copies is not None and m.copies.made().any()
+            assert copied == bool(K.interleaves(int(qtype)))
 
 
 @pytest.mark.arm64

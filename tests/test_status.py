@@ -83,3 +83,29 @@ def test_interleaved_weights_through_the_daemon_and_with_no_interleave(tmp_path)
             assert m["weights_interleaved_bytes"] == {"q4_0": dense}
         assert m["weight_types"] == {"q4_0": 1.0}
     assert answers[()] == answers[("--no-interleave",)] and len(answers[()]) == 12
+
+
+def test_moe_experts_copied_as_chosen_through_the_daemon(tmp_path):
+    """A Q4_0 MoE model: where the CPU has that product, status counts the bytes of the experts
+    copied so far: none before a request, some after one (whole experts, never more than the
+    file holds); with --no-interleave none; both answer with the same token ids."""
+    from kestreld.kernels import K
+    path = str(modelgen_moe.generate("qwen3moe_pages", tmp_path, ("q4_0",), hf=False).gguf["q4_0"])
+    reader = gguf.GGUFReader(path)
+    experts = {t.name: int(t.n_bytes) for t in reader.tensors if "_exps." in t.name}
+    # one expert's matrix, the same bytes in gate, up and down here (512 x 256, 256 x 512)
+    (one,) = {n // modelgen_moe.SPECS["qwen3moe_pages"].n_experts for n in experts.values()}
+    answers = {}
+    for args in ((), ("--no-interleave",)):
+        with Daemon(tmp_path / "k.sock", *args, model=path) as d, d.client() as c:
+            before = c.status()["experts_copied_bytes"]
+            answers[args] = c.generate(prompt="one two three", max_tokens=12, temperature=0.0,
+                                       ignore_eos=True).ids
+            after = c.status()["experts_copied_bytes"]
+        assert before == {}
+        if args or not K.interleaves(int(gguf.GGMLQuantizationType.Q4_0)):
+            assert after == {}
+        else:
+            assert set(after) == {"q4_0"}
+            assert after["q4_0"] % one == 0 and 0 < after["q4_0"] <= sum(experts.values())
+    assert answers[()] == answers[("--no-interleave",)] and len(answers[()]) == 12

@@ -48,7 +48,7 @@ class LoadedModel:
 
 
 def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str] = None,
-               fits: Optional[Callable[[ModelConfig, int], None]] = None,
+               fits: Optional[Callable[[ModelConfig, int], bool]] = None,
                interleave: bool = True) -> LoadedModel:
     """Load a model; any fault raises ModelLoadError naming the file and what is wrong.
 
@@ -61,10 +61,12 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
     a qwen3vl text GGUF (the vision half of a split Qwen3-VL). `fits(config, bytes)`, called
     once the file is opened and before any weight is read: may refuse to go on when what the
     weights will take in memory (`bytes`, the vision encoder's mmproj file included) does
-    not fit. `interleave`: the matrices the CPU has an interleaved product for (x86, and
-    aarch64 with sdot; not an untied token embedding, not MoE experts) are copied into it once
-    and their mapped pages released (`interleave_matrices`); False keeps every matrix in place
-    in the map."""
+    not fit, else says whether it fits. `interleave`: the matrices the CPU has an interleaved
+    product for (x86, and aarch64 with sdot; not an untied token embedding) are copied into
+    it and their mapped pages released (`interleave_matrices`): the dense ones once here, MoE
+    experts as each is first chosen, unless `fits` said the weights do not fit (then experts
+    stay in the map, whose pages the kernel can drop again, unlike a copy's); False keeps
+    every matrix in place in the map."""
     if os.path.isdir(path):
         source, mmproj, conversion = _open_hf_cached(path, cache_dir, mmproj)
     elif os.path.exists(path):
@@ -72,11 +74,11 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
     else:
         raise ModelLoadError(f"{path}: no such file or directory")
     check_shapes(source.config, path)
-    if fits is not None:
-        fits(source.config, source.resident_bytes() + (os.path.getsize(mmproj) if mmproj else 0))
+    fit = fits is None or fits(source.config, source.resident_bytes()
+                               + (os.path.getsize(mmproj) if mmproj else 0))
     weights = _assemble(source, source.config)
     if interleave:
-        weights = interleave_matrices(weights)
+        weights = interleave_matrices(weights, experts=fit)
     return LoadedModel(
         path=path,
         config=source.config,
@@ -93,18 +95,20 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
     )
 
 
-def interleave_matrices(weights: ModelWeights, threads: int = 0) -> ModelWeights:
+def interleave_matrices(weights: ModelWeights, threads: int = 0,
+                        experts: bool = True) -> ModelWeights:
     """`weights` with each matrix that has an
     interleaved product on this CPU replaced by its interleaved copy (Matrix.interleave),
-    except an untied token embedding (only read by rows, one per token) and MoE experts (only
-    the chosen ones' pages are read, in place); a tied embedding is the output matrix, whose
-    copy then serves the row reads too. The copies lie one after the other, in the order a
-    pass reads them, in one buffer of huge pages where the kernel has them (huge_page_views).
-    The pages of the map each copied matrix came from are released, so resident memory does
-    not grow (padding to whole groups aside). The copies are made on `threads` threads (0:
-    one per CPU this process may run on; the copy releases the GIL)."""
+    except an untied token embedding (only read by rows, one per token) and MoE experts; a
+    tied embedding is the output matrix, whose copy then serves the row reads too. The copies
+    lie one after the other, in the order a pass reads them, in one buffer of huge pages where
+    the kernel has them (buffer_views). The pages of the map each copied matrix came from
+    are released, so resident memory does not grow (padding to whole groups aside). The
+    copies are made on `threads` threads (0: one per CPU this process may run on; the copy
+    releases the GIL). With `experts`, MoE experts get copies that the forward pass makes as
+    each expert is first chosen (_with_expert_copies); without, they are read in place."""
     todo = [getattr(L, f) for L in weights.layers for f in _DENSE_MATRICES] + [weights.output]
-    outs = huge_page_views([m.interleave_shape() if m is not None else None for m in todo])
+    outs = buffer_views([m.interleave_shape() if m is not None else None for m in todo])
 
     def place(i: int) -> Optional[Matrix]:
         if outs[i] is None:
@@ -116,13 +120,32 @@ def interleave_matrices(weights: ModelWeights, threads: int = 0) -> ModelWeights
     with ThreadPoolExecutor(threads or len(os.sched_getaffinity(0))) as pool:
         done = iter(list(pool.map(place, range(len(todo)))))
     layers = [replace(L, **{f: next(done) for f in _DENSE_MATRICES}) for L in weights.layers]
+    if experts:
+        layers = _with_expert_copies(layers)
     output = next(done)
     tied = weights.output is weights.tok_embd
     return replace(weights, layers=layers, output=output,
                    tok_embd=output if tied else weights.tok_embd)
 
 
+def _with_expert_copies(layers: list) -> list:
+    """`layers` with the experts of each MoE layer that have an interleaved product on this CPU
+    given copies made as they are first used (Matrix.with_expert_copies), in one buffer of
+    4 KiB pages that nothing touches before then: a huge page would make 2 MB resident for
+    the first expert copied into it, and memory would show experts never chosen. The rows'
+    pages in the map are released as each expert's copy is finished (when the rows are a
+    file's map), so memory holds each chosen expert once."""
+    stacks = [getattr(L.moe, f) for L in layers if L.moe for f in _EXPERT_MATRICES]
+    shapes = [m.expert_copies_shape() for m in stacks]
+    outs = buffer_views([(s[0] * s[1], s[2]) if s else None for s in shapes], huge=False)
+    done = iter([m if out is None else m.with_expert_copies(out, _maps_a_file(m.data))
+                 for m, out in zip(stacks, outs)])
+    return [replace(L, moe=replace(L.moe, **{f: next(done) for f in _EXPERT_MATRICES}))
+            if L.moe else L for L in layers]
+
+
 _DENSE_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_EXPERT_MATRICES = ("gate", "up", "down")
 _libc = ctypes.CDLL(None, use_errno=True)
 _COPY_ALIGN = 64                # each interleaved copy's start (the tiles' loads)
 _HUGE_PAGE = 2 << 20            # x86-64's and 4 KiB-page aarch64's transparent huge page
@@ -147,12 +170,25 @@ def _huge_page_buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
-def huge_page_views(shapes: list) -> list:
+def _small_page_buffer(nbytes: int) -> np.ndarray:
+    """A new uint8 array of nbytes of private anonymous memory in 4 KiB pages (madvise
+    MADV_NOHUGEPAGE, as THP set to "always" would otherwise back it with huge pages), each
+    page resident only once written."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if advice is not None:
+        mem.madvise(advice)
+    return np.frombuffer(mem, np.uint8)
+
+
+def buffer_views(shapes: list, huge: bool = True) -> list:
     """One uint8 array of each (rows, bytes) shape in `shapes` (None for None), views of one new
-    buffer of huge pages (_huge_page_buffer), one after the other in that order, each start
-    64-byte aligned."""
+    buffer of huge pages (_huge_page_buffer; `huge` False: of 4 KiB pages, _small_page_buffer),
+    one after the other in that order, each start 64-byte aligned."""
     sizes = [-(-s[0] * s[1] // _COPY_ALIGN) * _COPY_ALIGN if s else 0 for s in shapes]
-    buf = _huge_page_buffer(sum(sizes))
+    buf = (_huge_page_buffer if huge else _small_page_buffer)(sum(sizes))
     views, at = [], 0
     for shape, size in zip(shapes, sizes):
         views.append(buf[at:at + shape[0] * shape[1]].reshape(shape) if shape else None)
@@ -160,14 +196,19 @@ def huge_page_views(shapes: list) -> list:
     return views
 
 
+def _maps_a_file(a: np.ndarray) -> bool:
+    """Whether `a` views a file's memory map (rather than anonymous memory)."""
+    base = a
+    while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
+        base = getattr(base, "base", None)
+    return base is not None
+
+
 def _release_mapped(a: np.ndarray) -> None:
     """Drops the whole pages of `a` from this process's memory when `a` views a file's
     memory map (madvise MADV_DONTNEED: the page cache keeps them, a later read faults them
     back in); an array of anonymous memory is left alone (dropping would zero it)."""
-    base = a
-    while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
-        base = getattr(base, "base", None)
-    if base is None:
+    if not _maps_a_file(a):
         return
     start, end = a.ctypes.data, a.ctypes.data + a.nbytes
     page = mmap.PAGESIZE

@@ -13,7 +13,7 @@ Norm weights are float32 vectors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -46,16 +46,36 @@ def row_bytes(qtype: QType, cols: int) -> int:
 
 
 @dataclass(frozen=True)
+class ExpertCopies:
+    """Interleaved copies of a stack of MoE experts, which the forward pass makes as each
+    expert is first multiplied (pyx/ks_weights.h, ks_expert_copy), group by group: loading
+    reads no expert, a request reads only the experts it chooses, and an expert's pages in the
+    file's map are released once its copy is whole (`release`), so that the copy takes their
+    place in memory rather than adding to it. `data` is anonymous memory that nothing touches
+    before a copy is made."""
+    data: np.ndarray              # uint8 (n_mat, groups * group_rows, row bytes)
+    state: np.ndarray             # uint8 (n_mat, groups): 0 not made, 1 being made, 2 made
+    left: np.ndarray              # int32 (n_mat,): groups of each expert not yet made
+    group_rows: int
+    release: bool                 # the rows are a file's map
+
+    def made(self) -> np.ndarray:
+        """Per expert, whether its copy is whole (bool (n_mat,))."""
+        return self.left == 0
+
+
+@dataclass(frozen=True)
 class Matrix:
     """A (rows, cols) matrix, or n_mat stacked ones: `data` is uint8 (rows, row_bytes) or
     (n_mat, rows, row_bytes), C-contiguous rows of GGML type `qtype`; or, group_rows > 0, one
     matrix's copy in interleaved groups of that many rows (`interleave()`), its rows rounded up
-    to whole groups."""
+    to whole groups. Stacked experts may have `copies` (`with_expert_copies()`)."""
     data: np.ndarray
     qtype: QType
     rows: int
     cols: int
     group_rows: int = 0
+    copies: Optional[ExpertCopies] = None
 
     def __post_init__(self):
         g = self.group_rows
@@ -66,6 +86,12 @@ class Matrix:
             raise ValueError(f"Matrix: data {self.data.dtype}{self.data.shape} does not hold "
                              f"{self.qtype.name} ({self.rows}, {self.cols}) rows (want "
                              f"C-contiguous uint8 (..., {want[0]}, {want[1]}))")
+        c = self.copies
+        if c is not None and (c.data.shape != self.expert_copies_shape(c.group_rows)
+                              or c.state.shape != (self.n_mat, c.data.shape[1] // c.group_rows)
+                              or c.left.shape != (self.n_mat,)):
+            raise ValueError(f"Matrix: expert copies {c.data.shape} do not fit "
+                             f"{self.n_mat} x ({self.rows}, {self.cols}) {self.qtype.name}")
 
     @property
     def n_mat(self) -> int:
@@ -95,6 +121,28 @@ class Matrix:
             return self
         return Matrix(K.interleave_rows(self.data, int(self.qtype), self.cols, out), self.qtype,
                       self.rows, self.cols, K.interleaves(int(self.qtype)))
+
+    def expert_copies_shape(self, group_rows: Optional[int] = None) -> Optional[tuple]:
+        """The shape of these stacked experts' copies in groups of `group_rows` (by default as
+        many rows as the CPU's interleaved product takes), or None where with_expert_copies()
+        returns the matrix itself (one matrix, or no interleaved product of its type)."""
+        group = group_rows or K.interleaves(int(self.qtype))
+        if self.n_mat == 1 or self.interleaved or not group:
+            return None
+        return self.n_mat, -(-self.rows // group) * group, row_bytes(self.qtype, self.cols)
+
+    def with_expert_copies(self, out: np.ndarray, release: bool) -> "Matrix":
+        """These stacked experts with copies made as they are first used (ExpertCopies) in
+        `out` (C-contiguous uint8 of expert_copies_shape(), untouched), or this matrix itself
+        where expert_copies_shape() is None. `release`: the rows are a file's map, whose pages
+        each finished copy releases."""
+        shape = self.expert_copies_shape()
+        if shape is None:
+            return self
+        group = K.interleaves(int(self.qtype))
+        copies = ExpertCopies(out.reshape(shape), np.zeros((shape[0], shape[1] // group), np.uint8),
+                              np.full(shape[0], shape[1] // group, np.int32), group, release)
+        return replace(self, copies=copies)
 
     @classmethod
     def of_floats(cls, x: np.ndarray) -> "Matrix":
@@ -161,6 +209,21 @@ class ModelWeights:
             if m.interleaved:
                 name = m.qtype.name.lower()
                 out[name] = out.get(name, 0) + m.data.nbytes
+        return out
+
+    def copies_experts(self) -> bool:
+        """Whether MoE experts get copies as they are first chosen (ExpertCopies)."""
+        return any(m.copies is not None for m in self.matrices())
+
+    def expert_copies_bytes(self) -> dict:
+        """Bytes of the MoE experts' copies made so far (ExpertCopies: an expert's copy is
+        made when it is first chosen) by type name, e.g. {"q4_k": 442368}; {} when none is."""
+        out: dict = {}
+        for m in self.matrices():
+            made = int(m.copies.made().sum()) if m.copies is not None else 0
+            if made:
+                name = m.qtype.name.lower()
+                out[name] = out.get(name, 0) + made * m.copies.data[0].nbytes
         return out
 
     def main_type(self) -> str:

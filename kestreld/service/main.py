@@ -130,27 +130,32 @@ def weights_line(model) -> str:
 def placement_line(model) -> str:
     """Where the weights are: in place from the map or converted, and which types' matrices
     were copied into interleaved groups, e.g. "in place from the file's map; q5_0 54 MB
-    interleaved"."""
+    interleaved", and whether MoE experts are, as each is first chosen."""
     line = model.conversion or "in place from the file's map"
     copies = model.weights.interleaved_bytes()
     if copies:
         line += "; " + ", ".join(f"{t} {n / 1e6:,.0f} MB" for t, n in copies.items())
         line += " interleaved (--no-interleave keeps them in the map)"
+    if model.weights.copies_experts():
+        line += "; MoE experts interleaved as each is first chosen"
     return line
 
 
 def memory_check(cfg: Config, path: str, available: int):
     """The `fits` check of load_model: InsufficientMemory when the weights and the KV arena
-    of max_seq tokens need more than `available` bytes (unless --no-memory-check)."""
-    def fits(config, weights_bytes: int) -> None:
+    of max_seq tokens need more than `available` bytes (unless --no-memory-check); else
+    whether they fit."""
+    def fits(config, weights_bytes: int) -> bool:
         arena = KVLayout.of(config, cfg.max_seq).nbytes
-        if cfg.memory_check and weights_bytes + arena > available:
+        fit = weights_bytes + arena <= available
+        if cfg.memory_check and not fit:
             raise InsufficientMemory(
                 f"{path}: the model needs {(weights_bytes + arena) / 2**20:,.0f} MiB (weights "
                 f"{weights_bytes / 2**20:,.0f} MiB + KV arena {arena / 2**20:,.0f} MiB at "
                 f"max-seq {cfg.max_seq}) and {available / 2**20:,.0f} MiB are available; lower "
                 f"--max-seq, or start anyway with --no-memory-check (an MoE model's unused "
                 f"experts may stay on disk)")
+        return fit
     return fits
 
 
