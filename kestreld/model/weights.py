@@ -133,8 +133,8 @@ class Matrix:
 
     def with_expert_copies(self, out: np.ndarray, release: bool) -> "Matrix":
         """These stacked experts with copies made as they are first used (ExpertCopies) in
-        `out` (C-contiguous uint8 of expert_copies_shape(), untouched), or this matrix itself
-        where expert_copies_shape() is None. `release`: the rows are a file's map, whose pages
+        `out` (untouched C-contiguous uint8 of expert_copies_shape()'s size), or this matrix
+        itself where expert_copies_shape() is None. `release`: the rows are a file's map, whose pages
         each finished copy releases."""
         shape = self.expert_copies_shape()
         if shape is None:
