@@ -34,6 +34,13 @@ def _table(rows) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _experts_copied(by_type) -> str:
+    """', MoE experts copied 1.2 GB' when the daemon has copied any (status
+    `experts_copied_bytes`), else ''."""
+    total = sum((by_type or {}).values())
+    return f", MoE experts copied {human_bytes(total)}" if total else ""
+
+
 def format_status(s: dict) -> str:
     """The status map as a readable table (`kestrelctl status`)."""
     m, p = s["model"], s["prefix"]
@@ -52,7 +59,8 @@ def format_status(s: dict) -> str:
                    f"misses {p['misses']}, {p['tokens_reused']} tokens reused"),
         ("requests", f"busy {'yes' if s['busy'] else 'no'}, active {s['active']}, "
                      f"queued {s['queued']}, total {s['total_requests']}"),
-        ("memory", f"rss {s['rss_mb']:.0f} MB, available {s['mem_avail_mb']:.0f} MB"),
+        ("memory", f"rss {s['rss_mb']:.0f} MB, available {s['mem_avail_mb']:.0f} MB"
+                   + _experts_copied(s.get("experts_copied_bytes"))),
         ("threads", str(s["threads"])),
     ]
     d = s.get("disk_kv") or {}
