@@ -428,6 +428,8 @@ def test_metrics_count_what_was_sent(daemon, http, sdk):
     assert value(after, "kestrel_prefix_misses_total") == status["prefix"]["misses"]
     assert value(after, "kestrel_busy") == 0 and value(after, "kestrel_queue_depth") == 0
     assert value(after, "kestrel_rss_bytes") > 50e6
+    copied = ("kestrel_experts_copied_bytes", frozenset())
+    assert copied in after and after[copied] == 0                       # a dense model
 
 
 # ---------------------------------------------------------------- hostile HTTP

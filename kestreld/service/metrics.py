@@ -40,6 +40,8 @@ class _StatusCollector:
             ("kestrel_kv_cache_tokens", "tokens whose KV is valid in the arena", s["cache_len"]),
             ("kestrel_max_seq_tokens", "the KV arena's capacity in tokens", s["max_seq"]),
             ("kestrel_rss_bytes", "resident memory of the daemon", self._reporter.rss_bytes()),
+            ("kestrel_experts_copied_bytes", "bytes of MoE experts copied into interleaved "
+             "groups so far (each when first chosen)", sum(s["experts_copied_bytes"].values())),
             ("kestrel_threads", "threads of the forward pass", s["threads"]),
             ("kestrel_threads_working", "threads that took work in the last forward pass",
              s["threads_working"]),
