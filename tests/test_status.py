@@ -61,6 +61,20 @@ def test_status_model_map_through_the_daemon(tmp_path):
     assert m["weight_types"] == {"q8_0": 1.0} and m["vision"] is False
 
 
+def _with_and_without_interleave(tmp_path, path: str) -> dict:
+    """{daemon args: (its status before a request, after it)}, the daemon run on `path` as it
+    is and with --no-interleave; both answer the request with the same 12 token ids."""
+    seen, answers = {}, {}
+    for args in ((), ("--no-interleave",)):
+        with Daemon(tmp_path / "k.sock", *args, model=path) as d, d.client() as c:
+            before = c.status()
+            answers[args] = c.generate(prompt="one two three", max_tokens=12, temperature=0.0,
+                                       ignore_eos=True).ids
+            seen[args] = (before, c.status())
+    assert answers[()] == answers[("--no-interleave",)] and len(answers[()]) == 12
+    return seen
+
+
 def test_interleaved_weights_through_the_daemon_and_with_no_interleave(tmp_path):
     """A Q4_0 model: where the CPU has that product (x86, aarch64 with sdot) the daemon
     interleaves its dense matrices (status says how many bytes), --no-interleave keeps them in
@@ -71,18 +85,13 @@ def test_interleaved_weights_through_the_daemon_and_with_no_interleave(tmp_path)
     reader = gguf.GGUFReader(path)
     dense = sum(int(t.n_bytes) for t in reader.tensors
                 if len(t.shape) == 2 and t.name not in ("token_embd.weight",))
-    answers = {}
-    for args in ((), ("--no-interleave",)):
-        with Daemon(tmp_path / "k.sock", *args, model=path) as d, d.client() as c:
-            m = c.status()["model"]
-            answers[args] = c.generate(prompt="one two three", max_tokens=12, temperature=0.0,
-                                       ignore_eos=True).ids
+    for args, (_, status) in _with_and_without_interleave(tmp_path, path).items():
+        m = status["model"]
         if args or not K.interleaves(int(gguf.GGMLQuantizationType.Q4_0)):
             assert m["weights_interleaved_bytes"] == {}
         else:      # the rows of every dense matrix, whole groups (these shapes need no padding)
             assert m["weights_interleaved_bytes"] == {"q4_0": dense}
-        assert m["weight_types"] == {"q4_0": 1.0}
-    assert answers[()] == answers[("--no-interleave",)] and len(answers[()]) == 12
+        assert m["weight_types"] == {"q4_0": 1.0} and status["experts_copied_bytes"] == {}
 
 
 def test_moe_experts_copied_as_chosen_through_the_daemon(tmp_path):
@@ -95,17 +104,11 @@ def test_moe_experts_copied_as_chosen_through_the_daemon(tmp_path):
     experts = {t.name: int(t.n_bytes) for t in reader.tensors if "_exps." in t.name}
     # one expert's matrix, the same bytes in gate, up and down here (512 x 256, 256 x 512)
     (one,) = {n // modelgen_moe.SPECS["qwen3moe_pages"].n_experts for n in experts.values()}
-    answers = {}
-    for args in ((), ("--no-interleave",)):
-        with Daemon(tmp_path / "k.sock", *args, model=path) as d, d.client() as c:
-            before = c.status()["experts_copied_bytes"]
-            answers[args] = c.generate(prompt="one two three", max_tokens=12, temperature=0.0,
-                                       ignore_eos=True).ids
-            after = c.status()["experts_copied_bytes"]
-        assert before == {}
+    for args, (before, after) in _with_and_without_interleave(tmp_path, path).items():
+        copied = after["experts_copied_bytes"]
+        assert before["experts_copied_bytes"] == {}
         if args or not K.interleaves(int(gguf.GGMLQuantizationType.Q4_0)):
-            assert after == {}
+            assert copied == {}
         else:
-            assert set(after) == {"q4_0"}
-            assert after["q4_0"] % one == 0 and 0 < after["q4_0"] <= sum(experts.values())
-    assert answers[()] == answers[("--no-interleave",)] and len(answers[()]) == 12
+            assert set(copied) == {"q4_0"}
+            assert copied["q4_0"] % one == 0 and 0 < copied["q4_0"] <= sum(experts.values())
