@@ -9,7 +9,9 @@ Kestrel's A76 build (`sdot`, 4-row interleaved weights) and llama.cpp built from
 llama-cpp-python's own source for armv8.2-a+dotprod+fp16 (what `GGML_NATIVE` gives on an
 RK3588's A76 cores), its repacking on (on a dotprod CPU it repacks Q4_0 to 4x4 and the K types
 to 8x4 groups). A qemu plugin (bench/qemu_insn_marks.c) counts the guest's instructions; the
-guest marks load, a cold prefill of P tokens, and D decode steps apart with getppid(). Reported:
+guest marks load, a cold prefill of P tokens, and D decode steps apart with getppid() (an MoE
+file is first warmed up with two prefills of 512 tokens, as Kestrel copies each expert when it
+is first chosen). Reported:
 instructions per prefill token and per decode step, all and SIMD / floating-point data
 processing apart, and llama.cpp's count over Kestrel's (above 1: Kestrel does less work).
 Everything a token costs is in it: Python orchestration, sampling, attention, the products.
@@ -164,6 +166,11 @@ def mark() -> None:
     os.getppid()
 
 
+# An MoE file's warm-up prefills (two, in both engines): Kestrel copies each expert into
+# interleaved groups when it is first chosen, and the counts are of the work after that.
+MOE_WARMUP_PROMPT = 512
+
+
 def guest(engine: str, path: str, prefill: int, decode: int, depth: int) -> None:
     """Load, warm up, then a cold prefill of `prefill` tokens, a cold prefill of `depth`, and
     `depth` tokens + `decode` steps, each between marks. One thread."""
@@ -177,6 +184,8 @@ def guest(engine: str, path: str, prefill: int, decode: int, depth: int) -> None
         runner = LlamaCppRunner(path, threads=1, n_ctx=max(1024, 2 * (prefill + depth)),
                                 n_batch=512, flash_attn=True, extra_buffer_types=True)
     rng = np.random.default_rng(0)
+    for _ in range(2 if runner.moe else 0):     # Kestrel copies each expert when first chosen
+        runner.prefill(random_prompt(rng, MOE_WARMUP_PROMPT, runner.vocab))
     runner.decode(random_prompt(rng, 16, runner.vocab), 2)    # warm-up
     mark()
     runner.prefill(random_prompt(rng, prefill, runner.vocab))

@@ -122,6 +122,7 @@ class LlamaCppRunner:
                               n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, flash_attn=flash_attn,
                               logits_all=False, seed=0, verbose=False)
         self.vocab = self.llm.n_vocab()
+        self.moe = any(k.endswith(".expert_count") for k in self.llm.metadata)
 
     def _argmax(self) -> int:
         ptr = self.llm._ctx.get_logits_ith(-1)     # waits for the computation to finish

@@ -28,7 +28,8 @@
 #  endif
 #endif
 
-/* A spinning wait's pause: the sibling hyperthread or core gets the pipeline meanwhile. */
+/* A spinning wait's pause (x86 pause, aarch64 yield): it eases the pipeline and lets a sibling
+ * hyperthread run. */
 static inline void ks_cpu_relax(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
