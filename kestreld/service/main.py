@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import psutil
 
@@ -32,13 +32,15 @@ from ..errors import FatalError, InsufficientMemory
 from ..model.convert import default_model_path
 from ..model.load import load_model
 from .config import Config, load_config, performance_cores
-from .http import HttpApi, read_api_key
 from .methods import Methods
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .server import Server, check_socket_path
 from .status import StatusReporter
 from .systemd import Notifier, activated_sockets
+
+if TYPE_CHECKING:
+    from .http import HttpApi
 
 log = logging.getLogger("kestreld")
 
@@ -216,6 +218,9 @@ async def serve(cfg: Config, path: str, rpc_socket: Optional[socket.socket] = No
     metrics = Metrics()
     http = None
     if cfg.http or http_sockets:
+        # imported here: aiohttp is the largest of the daemon's imports (in time and memory),
+        # and a daemon that serves only its RPC socket does not need it
+        from .http import HttpApi, read_api_key
         key = read_api_key(cfg.http_api_key_file) if cfg.http_api_key_file else None
         http = HttpApi(cfg, metrics, key)
     try:
