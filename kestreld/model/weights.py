@@ -134,14 +134,15 @@ class Matrix:
     def with_expert_copies(self, out: np.ndarray, release: bool) -> "Matrix":
         """These stacked experts with copies made as they are first used (ExpertCopies) in
         `out` (untouched C-contiguous uint8 of expert_copies_shape()'s size), or this matrix
-        itself where expert_copies_shape() is None. `release`: the rows are a file's map, whose pages
-        each finished copy releases."""
+        itself where expert_copies_shape() is None. `release`: the rows are a file's map, whose
+        pages each finished copy releases."""
         shape = self.expert_copies_shape()
         if shape is None:
             return self
         group = K.interleaves(int(self.qtype))
-        copies = ExpertCopies(out.reshape(shape), np.zeros((shape[0], shape[1] // group), np.uint8),
-                              np.full(shape[0], shape[1] // group, np.int32), group, release)
+        groups = shape[1] // group
+        copies = ExpertCopies(out.reshape(shape), np.zeros((shape[0], groups), np.uint8),
+                              np.full(shape[0], groups, np.int32), group, release)
         return replace(self, copies=copies)
 
     @classmethod
