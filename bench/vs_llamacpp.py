@@ -24,10 +24,9 @@ Decode tokens/s counts forward passes: n generated tokens take n-1 single-token 
 the prefill, each followed by an argmax, for both engines. Start-up and RSS are measured in a
 fresh subprocess per engine (`--probe`): wall time from spawn to "ready" (model loaded, KV
 allocated), RSS then, and the time of a first request (prefill 512 + 16 tokens) and RSS after
-it. The decode bound is
-the bytes of weights one token reads over the copy bandwidth (STREAM Copy rule), measured
-before and after each model's cases (the higher of the two: the host's speed moves), and each
-decode case is also given as a share of it.
+it. The decode bound is the bytes of weights one token reads over the copy bandwidth (STREAM
+Copy rule), measured before and after each model's cases (the higher of the two: the host's
+speed moves), and each decode case is also given as a share of it.
 """
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ class StatusReporter:
             "cache_len": engine_stats["cache_len"],
             "prefix": dict(engine_stats["prefix"]),
             "disk_kv": eng.disk_kv.stats() if eng.disk_kv is not None else {"enabled": False},
-            "experts_copied_bytes": self._engine.model.weights.expert_copies_bytes(),
+            "experts_copied_bytes": eng.model.weights.expert_copies_bytes(),
             "rss_mb": round(self.rss_bytes() / 2**20, 1),
             "mem_avail_mb": round(psutil.virtual_memory().available / 2**20, 1),
             "threads": self._config.n_threads,
