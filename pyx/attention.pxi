@@ -51,11 +51,13 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
     over one layer's int8 KV (keys 0 .. pos0+t for query t, already stored):
     out (n, n_heads, hd) = softmax(scale * q . k_j) . v_j, k_j = ks*kq, v_j = vs*vq, with query
     head h reading KV head h // (n_heads // n_kv). Keys go in blocks of kv_bs (a power of two
-    >= 16) through an online softmax. Work items: (16-token tile, KV head) in prefill;
-    (KV head, key split) in decode (n == 1), merged per head afterwards."""
+    >= 16) through an online softmax, in segments of 256 keys from key 0 folded in order, so a
+    query's output does not depend on n, pos0's chunking or nthreads. Work items: (16-token
+    tile, KV head) in prefill; (KV head, key segment) in decode (n == 1), folded per head
+    afterwards."""
     cdef Py_ssize_t n = q.shape[0], n_heads = q.shape[1], hd = q.shape[2]
     cdef Py_ssize_t n_kv = kq.shape[0], max_seq = kq.shape[1]
-    cdef Py_ssize_t G, it, n_tiles, n_items, t0, split, n_split
+    cdef Py_ssize_t G, it, n_tiles, n_items, t0, n_seg
     cdef int64_t scratch_floats, part_floats
     cdef float *scratch = NULL
     cdef float *parts = NULL
@@ -79,26 +81,25 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
     G = n_heads // n_kv
     try:
         if n == 1:
-            split = ks_attn_split_len(pos0 + 1, kv_bs)
-            n_split = (pos0 + split) // split
+            n_seg = ks_attn_segments(pos0 + 1, kv_bs)
             scratch_floats = ks_attn_scratch_floats(<int>G, <int>hd, kv_bs)
             part_floats = ks_attn_part_floats(<int>G, <int>hd)
-            parts = <float *>malloc(n_kv * n_split * part_floats * sizeof(float))
+            parts = <float *>malloc(n_kv * n_seg * part_floats * sizeof(float))
         else:
             scratch_floats = ks_attn_scratch_floats(<int>(KS_ATTN_TOKENS * G), <int>hd, kv_bs)
         scratch = <float *>malloc(nthreads * scratch_floats * sizeof(float))
         if scratch == NULL or (n == 1 and parts == NULL):
             raise MemoryError("attention: no memory for the scratch buffers")
         if n == 1:
-            for it in prange(n_kv * n_split, nogil=True, num_threads=nthreads, schedule="static"):
+            for it in prange(n_kv * n_seg, nogil=True, num_threads=nthreads, schedule="static"):
                 ks_attn_decode_item(&q[0, 0, 0], &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0], &vs[0, 0],
                                     parts + it * part_floats, <int>n_heads, <int>n_kv, <int>hd,
-                                    <int>max_seq, pos0, scale, kv_bs, <int>split,
-                                    <int>(it % n_split), <int>(it // n_split),
+                                    <int>max_seq, pos0, scale, kv_bs,
+                                    <int>(it % n_seg), <int>(it // n_seg),
                                     scratch + threadid() * scratch_floats)
             for it in prange(n_heads, nogil=True, num_threads=nthreads, schedule="static"):
                 ks_attn_decode_merge(parts, &out[0, 0, 0], <int>n_heads, <int>n_kv, <int>hd,
-                                     <int>n_split, <int>it)
+                                     <int>n_seg, <int>it)
         else:
             # causal: later tiles see more keys, so they are handed out first
             n_tiles = (n + KS_ATTN_TOKENS - 1) // KS_ATTN_TOKENS

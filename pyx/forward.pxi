@@ -177,11 +177,12 @@ cdef class Forward:
         self.kv.k_s, self.kv.v_s = &ks[0, 0, 0], &vs[0, 0, 0]
         self.kv.max_seq, self.kv.kv_bs = kq.shape[2], kv.kv_bs
         self._keep = [weights, kv]
-        nbytes = ks_scratch_layout(&self.s, NULL, m, max_chunk, nthreads, kv.kv_bs)
+        nbytes = ks_scratch_layout(&self.s, NULL, m, max_chunk, nthreads, self.kv.max_seq, kv.kv_bs)
         if posix_memalign(&mem, 64, nbytes) != 0:
             raise MemoryError(f"Forward: no memory for {nbytes} bytes of buffers")
         self.scratch = <char *>mem
-        ks_scratch_layout(&self.s, self.scratch, m, max_chunk, nthreads, kv.kv_bs)
+        ks_scratch_layout(&self.s, self.scratch, m, max_chunk, nthreads, self.kv.max_seq,
+                          kv.kv_bs)
         memset(&self.b, 0, sizeof(ks_batch))
         self.job.M, self.job.kv, self.job.S, self.job.B = &self.m, &self.kv, &self.s, &self.b
         if ks_team_init(&self.team, nthreads, ks_forward_phases(c.n_layers), ks_forward_walk) != 0:
@@ -198,7 +199,8 @@ cdef class Forward:
     def scratch_bytes(self):
         """Bytes of the buffers allocated for one chunk (once, at construction)."""
         cdef ks_scratch s
-        return ks_scratch_layout(&s, NULL, &self.m, self.max_chunk, self.nthreads, self.kv.kv_bs)
+        return ks_scratch_layout(&s, NULL, &self.m, self.max_chunk, self.nthreads,
+                                 self.kv.max_seq, self.kv.kv_bs)
 
     def run(self, const int32_t[::1] tokens, int pos0, const float[:, ::1] rope_cos,
             const float[:, ::1] rope_sin, float[:, ::1] logits, vis_rows=None, vis_embd=None,

@@ -12,6 +12,16 @@
  * (ks_attn_core.h) is compiled for 8-float vectors, for 4-float ones on NEON (where GCC keeps
  * 8-float vectors in memory across loop iterations) and, where the CPU has AVX512, for
  * 16-float ones (two keys a vector in the scores): the same bits at every width.
+ *
+ * The order of a query's reductions is fixed by its position alone, so a token's output is the
+ * same bits whether it comes in a pass of one token (decode) or many (prefill), in any chunk,
+ * on any number of threads: its keys 0 .. p go in segments [c * S, (c + 1) * S) counted from
+ * key 0 (S = KS_ATTN_SEGMENT rounded up to kv_bs, whatever the context), each segment's online
+ * softmax starts empty, and the segments' states are folded into the query's in segment order
+ * by ks_attn_fold. Decode computes the segments in parallel, one item per (KV head, segment),
+ * and folds them afterwards; prefill computes them in turn inside its work item and folds as it
+ * goes. Blocks of kv_bs start at multiples of kv_bs in both, and keys past a query's position
+ * add exact zeros.
  */
 #ifndef KS_ATTENTION_H
 #define KS_ATTENTION_H
@@ -21,8 +31,7 @@
 
 #define KS_ATTN_STRIP 16            /* keys / head dims per step of the inner loops */
 #define KS_ATTN_TOKENS 16           /* prefill work item: this many tokens x the group's heads */
-#define KS_ATTN_SPLIT_MIN 256       /* decode: at least this many keys per split */
-#define KS_ATTN_SPLIT_MAX 16        /* decode: at most this many splits per KV head */
+#define KS_ATTN_SEGMENT 256         /* keys per segment (rounded up to whole KV blocks) */
 
 /* ---- KV store ------------------------------------------------------------------------------ */
 
@@ -67,7 +76,7 @@ static inline int ks_set_attn_tiles(int on)
 /* Scratch a work item needs, in floats (see ks_attn_scratch_parts for the parts). */
 static inline int64_t ks_attn_scratch_floats(int nq, int hd, int kv_bs)
 {
-    return 2 * (int64_t)hd * kv_bs + KS_ATTN_QB * (kv_bs + 1) + (int64_t)nq * (2 * hd + 3);
+    return 2 * (int64_t)hd * kv_bs + KS_ATTN_QB * (kv_bs + 1) + (int64_t)nq * (3 * hd + 5);
 }
 
 /* r[i] = lane i of ks_v8_hsum8(p) */
@@ -219,9 +228,11 @@ static void ks_attn_range_any(int nq, int hd, const float *qs, const int *lim, c
     ks_attn_range(nq, hd, qs, lim, kq, ks, vq, vs, k0, k1, kv_bs, m, l, acc, kf, vf, sc, corr);
 }
 
-/* Splits the scratch of one work item (ks_attn_scratch_floats floats) into its parts. */
+/* Splits the scratch of one work item (ks_attn_scratch_floats floats) into its parts: a block's
+ * keys and values as float, their scores, the queries, a segment's state (m, l, acc) and the
+ * state folded over the segments so far (fm, fl, facc). */
 typedef struct {
-    float *kf, *vf, *sc, *corr, *qs, *m, *l, *acc;
+    float *kf, *vf, *sc, *corr, *qs, *m, *l, *acc, *fm, *fl, *facc;
     int *lim;
 } ks_attn_scratch;
 
@@ -234,14 +245,57 @@ static inline ks_attn_scratch ks_attn_scratch_parts(float *base, int nq, int hd,
     s.corr = s.sc + KS_ATTN_QB * kv_bs;
     s.qs = s.corr + KS_ATTN_QB;
     s.acc = s.qs + (int64_t)nq * hd;
-    s.m = s.acc + (int64_t)nq * hd;
+    s.facc = s.acc + (int64_t)nq * hd;
+    s.m = s.facc + (int64_t)nq * hd;
     s.l = s.m + nq;
-    s.lim = (int *)(s.l + nq);   /* int and float have the same size on every target */
+    s.fm = s.l + nq;
+    s.fl = s.fm + nq;
+    s.lim = (int *)(s.fl + nq);   /* int and float have the same size on every target */
     return s;
 }
 
-/* Loads the queries of tokens [t0, t1) x heads [h0, h0 + G) as qs (scaled), sets their limits
- * and an empty softmax state. */
+/* Keys per segment: depends only on kv_bs, never on the context, n or the thread count. */
+static inline int ks_attn_segment_len(int kv_bs)
+{
+    return (KS_ATTN_SEGMENT + kv_bs - 1) / kv_bs * kv_bs;
+}
+
+/* Segments of a context of ctx keys */
+static inline int ks_attn_segments(int ctx, int kv_bs)
+{
+    const int seg = ks_attn_segment_len(kv_bs);
+    return (ctx + seg - 1) / seg;
+}
+
+/* Empties the online-softmax state of nq queries (m, l (nq), acc (nq, hd)). */
+static inline void ks_attn_clear(float *m, float *l, float *acc, int nq, int hd)
+{
+    for (int i = 0; i < nq; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)nq * hd);
+}
+
+/* Folds one query's state over a segment (mc, lc, accc (hd)) into its state over the segments
+ * before it (m, l, acc (hd), IN/OUT). Every path folds with this, in segment order. A segment
+ * with none of the query's keys (mc = -inf) changes nothing; the first one is taken exactly
+ * (exp(0) = 1, and the empty state's terms are 0). */
+static inline void ks_attn_fold(float *restrict m, float *restrict l, float *restrict acc,
+                                float mc, float lc, const float *restrict accc, int hd)
+{
+    if (mc == -INFINITY)
+        return;
+    const float mx = fmaxf(*m, mc);
+    const float a = expf(*m - mx), b = expf(mc - mx);
+    *l = KS_FMADD(lc, b, *l * a);
+    for (int d = 0; d < hd; d++)
+        acc[d] = KS_FMADD(accc[d], b, acc[d] * a);
+    *m = mx;
+}
+
+/* Loads the queries of tokens [t0, t1) x heads [h0, h0 + G) as qs (scaled) and sets their
+ * limits. */
 static inline void ks_attn_begin(const ks_attn_scratch *s, const float *q, int n_heads, int hd,
                                  int t0, int t1, int h0, int G, int pos0, float scale)
 {
@@ -249,96 +303,86 @@ static inline void ks_attn_begin(const ks_attn_scratch *s, const float *q, int n
     for (int t = t0; t < t1; t++)
         for (int h = h0; h < h0 + G; h++, i++) {
             const float *qr = q + ((int64_t)t * n_heads + h) * hd;
-            for (int d = 0; d < hd; d++) {
+            for (int d = 0; d < hd; d++)
                 s->qs[(int64_t)i * hd + d] = qr[d] * scale;
-                s->acc[(int64_t)i * hd + d] = 0.0f;
-            }
             s->lim[i] = pos0 + t;
-            s->m[i] = -INFINITY;
-            s->l[i] = 0.0f;
         }
 }
 
-/* Prefill work item: tokens [t0, t1) x the G query heads of KV head g, over all their keys;
- * writes out (n, n_heads, hd). kq etc. point at the layer (n_kv, max_seq, ...). */
+/* Prefill work item: tokens [t0, t1) x the G query heads of KV head g, over all their keys,
+ * segment by segment; writes out (n, n_heads, hd). kq etc. point at the layer
+ * (n_kv, max_seq, ...). */
 static void ks_attn_prefill_item(const float *q, const int8_t *kq, const float *ks,
                                  const int8_t *vq, const float *vs, float *out,
                                  int n_heads, int n_kv, int hd, int max_seq, int pos0,
                                  float scale, int kv_bs, int t0, int t1, int g, float *scratch)
 {
-    const int G = n_heads / n_kv, nq = (t1 - t0) * G;
+    const int G = n_heads / n_kv, nq = (t1 - t0) * G, seg = ks_attn_segment_len(kv_bs);
     const ks_attn_scratch s = ks_attn_scratch_parts(scratch, nq, hd, kv_bs);
     const int64_t kvo = (int64_t)g * max_seq;
+    const int ctx = pos0 + t1;
     ks_attn_begin(&s, q, n_heads, hd, t0, t1, g * G, G, pos0, scale);
-    ks_attn_range_any(nq, hd, s.qs, s.lim, kq + kvo * hd, ks + kvo, vq + kvo * hd, vs + kvo,
-                  0, pos0 + t1, kv_bs, s.m, s.l, s.acc, s.kf, s.vf, s.sc, s.corr);
+    ks_attn_clear(s.fm, s.fl, s.facc, nq, hd);
+    for (int k0 = 0; k0 < ctx; k0 += seg) {
+        ks_attn_clear(s.m, s.l, s.acc, nq, hd);
+        ks_attn_range_any(nq, hd, s.qs, s.lim, kq + kvo * hd, ks + kvo, vq + kvo * hd,
+                          vs + kvo, k0, k0 + seg < ctx ? k0 + seg : ctx, kv_bs, s.m, s.l,
+                          s.acc, s.kf, s.vf, s.sc, s.corr);
+        for (int i = 0; i < nq; i++)
+            ks_attn_fold(s.fm + i, s.fl + i, s.facc + (int64_t)i * hd, s.m[i], s.l[i],
+                         s.acc + (int64_t)i * hd, hd);
+    }
     int i = 0;
     for (int t = t0; t < t1; t++)
         for (int h = g * G; h < g * G + G; h++, i++) {
             float *o = out + ((int64_t)t * n_heads + h) * hd;
-            const float inv = 1.0f / s.l[i];
+            const float inv = 1.0f / s.fl[i];
             for (int d = 0; d < hd; d++)
-                o[d] = s.acc[(int64_t)i * hd + d] * inv;
+                o[d] = s.facc[(int64_t)i * hd + d] * inv;
         }
 }
 
-/* Decode: keys per split for a context of ctx keys. Depends only on ctx and kv_bs, never on
- * the thread count, so results do not change with it. */
-static inline int ks_attn_split_len(int ctx, int kv_bs)
-{
-    int len = (ctx + KS_ATTN_SPLIT_MAX - 1) / KS_ATTN_SPLIT_MAX;
-    if (len < KS_ATTN_SPLIT_MIN)
-        len = KS_ATTN_SPLIT_MIN;
-    return (len + kv_bs - 1) / kv_bs * kv_bs;
-}
-
-/* Floats of partial state per (KV head, split): m, l and acc of the group's G heads. */
+/* Floats of partial state per (KV head, segment): m, l and acc of the group's G heads. */
 static inline int64_t ks_attn_part_floats(int G, int hd)
 {
     return (int64_t)G * (hd + 2);
 }
 
-/* Decode work item: the single token's G query heads of KV head g against keys
- * [c * split, (c + 1) * split); the state goes to part (G * (hd + 2) floats: m, l, acc). */
+/* Decode work item: the single token's G query heads of KV head g against segment c of the
+ * keys; the state goes to part (G * (hd + 2) floats: m, l, acc). */
 static void ks_attn_decode_item(const float *q, const int8_t *kq, const float *ks,
                                 const int8_t *vq, const float *vs, float *part,
                                 int n_heads, int n_kv, int hd, int max_seq, int pos0,
-                                float scale, int kv_bs, int split, int c, int g, float *scratch)
+                                float scale, int kv_bs, int c, int g, float *scratch)
 {
-    const int G = n_heads / n_kv;
+    const int G = n_heads / n_kv, seg = ks_attn_segment_len(kv_bs);
     const ks_attn_scratch s = ks_attn_scratch_parts(scratch, G, hd, kv_bs);
     const int64_t kvo = (int64_t)g * max_seq;
     ks_attn_begin(&s, q, n_heads, hd, 0, 1, g * G, G, pos0, scale);
+    ks_attn_clear(s.m, s.l, s.acc, G, hd);
     ks_attn_range_any(G, hd, s.qs, s.lim, kq + kvo * hd, ks + kvo, vq + kvo * hd, vs + kvo,
-                  c * split, (c + 1) * split, kv_bs, s.m, s.l, s.acc, s.kf, s.vf, s.sc, s.corr);
+                      c * seg, (c + 1) * seg, kv_bs, s.m, s.l, s.acc, s.kf, s.vf, s.sc, s.corr);
     memcpy(part, s.m, sizeof(float) * G);
     memcpy(part + G, s.l, sizeof(float) * G);
     memcpy(part + 2 * G, s.acc, sizeof(float) * G * hd);
 }
 
-/* Decode: out (1, n_heads, hd) row h from the nsplit partial states of its KV head, merged
- * in split order. parts (n_kv, nsplit, G * (hd + 2)). */
+/* Decode: out (1, n_heads, hd) row h from the n_seg segments' states of its KV head, folded
+ * in segment order. parts (n_kv, n_seg, G * (hd + 2)). */
 static void ks_attn_decode_merge(const float *parts, float *out, int n_heads, int n_kv, int hd,
-                                 int nsplit, int h)
+                                 int n_seg, int h)
 {
     const int G = n_heads / n_kv, g = h / G, i = h % G;
     const int64_t pf = ks_attn_part_floats(G, hd);
-    const float *p0 = parts + (int64_t)g * nsplit * pf;
-    float mx = -INFINITY;
-    for (int c = 0; c < nsplit; c++)
-        mx = fmaxf(mx, p0[c * pf + i]);
+    const float *p0 = parts + (int64_t)g * n_seg * pf;
     float *o = out + (int64_t)h * hd;
-    float lsum = 0.0f;
-    for (int d = 0; d < hd; d++)
-        o[d] = 0.0f;
-    for (int c = 0; c < nsplit; c++) {
+    float m, l;
+    ks_attn_clear(&m, &l, o, 1, hd);
+    for (int c = 0; c < n_seg; c++) {
         const float *p = p0 + c * pf;
-        const float w = expf(p[i] - mx);    /* 0 for a split with no keys (m = -inf) */
-        lsum += p[G + i] * w;
-        for (int d = 0; d < hd; d++)
-            o[d] += p[2 * G + (int64_t)i * hd + d] * w;
+        ks_attn_fold(&m, &l, o, p[i], p[G + i], p + 2 * G + (int64_t)i * hd, hd);
     }
-    const float inv = 1.0f / lsum;
+    const float inv = 1.0f / l;
     for (int d = 0; d < hd; d++)
         o[d] *= inv;
 }

@@ -20,11 +20,24 @@
  * ranges or token tiles), so the threads that get to run do the work of one the kernel
  * has descheduled. One token's residual step is the tail of the phase before it, done by
  * the thread that finishes that phase, and the q/k/v items are whole heads with their norm,
- * RoPE and KV store: a dense layer is 6 phases in decode, 7 in prefill. Every value is
- * computed by the same operations in the same order whatever n, the chunking, the thread
- * count and which thread takes which item, except attention's reduction over keys (split
- * into ranges in decode, tiled by tokens in prefill), so the KV and logits of a token do not
- * depend on how its prompt was cut into chunks beyond float rounding in attention.
+ * RoPE and KV store: a dense layer is 6 phases in decode, 7 in prefill.
+ *
+ * The rule: a token's KV rows and logits are the same bits whatever n (a decode step, a
+ * prefill chunk, a verification pass), however its prompt was cut into chunks, whatever its
+ * depth's neighbours, the thread count, which thread takes which item and which tile or SIMD
+ * path runs, and whether the KV rows it reads were written by prefill, decode or restored from
+ * a cache tier. The prefix cache and every tier rest on this (a hit must equal recomputing),
+ * and so would speculation's multi-token verification. Every reduction therefore has an order
+ * fixed by the data alone:
+ *   - a product's output float sums its row's blocks in row order, one fma per block, with the
+ *     same integer dot products in every tile (decode tiles, prefill tiles, the plain twin);
+ *   - a norm, a softmax over experts, RoPE, SwiGLU: one token's row, in index order;
+ *   - attention: a query's keys 0 .. p in segments of KS_ATTN_SEGMENT keys counted from key 0,
+ *     online softmax within each, the segments folded in order (ks_attention.h); decode runs
+ *     the segments as parallel items, prefill in turn, with the same arithmetic;
+ *   - MoE: a token's experts added in the order the router ranked them.
+ * Threads change who computes an item, never how: no reduction is split by thread count.
+ * tests/test_same_bits.py holds every path to it with assert_array_equal.
  */
 #ifndef KS_FORWARD_H
 #define KS_FORWARD_H
@@ -95,7 +108,7 @@ typedef struct {
     float *sd;                        /* (max_chunk, widest/32) */
     int16_t *sh;                      /* (max_chunk, widest/16) */
     float *attn_scratch;              /* nthreads * attn_floats: each thread's own */
-    float *attn_parts;                /* n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats */
+    float *attn_parts;                /* (n_kv, segments of max_seq, ks_attn_part_floats) */
     int64_t attn_floats;
     /* MoE, for max_chunk * n_used (token, slot) pairs */
     float *probs;                     /* (max_chunk, n_exp) */
@@ -138,9 +151,10 @@ static inline void ks_carve_q8(char *base, int64_t *off, int64_t rows, int64_t c
 }
 
 /* Lays out S over `base` (NULL: just measure; base must be 64-byte aligned) for chunks of up
- * to max_chunk tokens, nthreads threads and KV blocks of kv_bs; returns the bytes it takes. */
+ * to max_chunk tokens, nthreads threads and an arena of max_seq tokens in KV blocks of kv_bs;
+ * returns the bytes it takes. */
 static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, int max_chunk,
-                                 int nthreads, int kv_bs)
+                                 int nthreads, int max_seq, int kv_bs)
 {
     const int64_t H = M->hidden, T = max_chunk, P = (int64_t)max_chunk * (M->n_used > 0 ? M->n_used : 1);
     const int q_dim = M->n_heads * M->hd, kv_dim = M->n_kv * M->hd, G = M->n_heads / M->n_kv;
@@ -165,7 +179,8 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     S->up = ks_carve(base, cur, T * (M->ffn > 0 ? M->ffn : 1), 4);
     ks_carve_q8(base, cur, T, widest, &S->sq, &S->sd, &S->sh);
     S->attn_scratch = ks_carve(base, cur, nthreads * S->attn_floats, 4);
-    S->attn_parts = ks_carve(base, cur, (int64_t)M->n_kv * KS_ATTN_SPLIT_MAX * ks_attn_part_floats(G, M->hd), 4);
+    S->attn_parts = ks_carve(base, cur, (int64_t)M->n_kv * ks_attn_segments(max_seq, kv_bs)
+                                        * ks_attn_part_floats(G, M->hd), 4);
     S->probs = ks_carve(base, cur, T * E, 4);
     S->top_w = ks_carve(base, cur, P, 4);
     S->top_idx = ks_carve(base, cur, P, 4);
@@ -358,7 +373,7 @@ static inline void ks_phase_qkv(ks_walk *w, const ks_model *M, const ks_layer *L
 
 /* The attention phases of layer li: the chunk's queries over KV rows 0 .. pos0 + t, into
  * att (n, q_dim) and its Q8_0 per head (sq, sd, sh: hd is a multiple of 32, so a head's blocks
- * are the row's). Decode: (KV head, key range) items, then one merge item per head. Prefill:
+ * are the row's). Decode: (KV head, key segment) items, then one merge item per head. Prefill:
  * (token tile, KV head) items, later tiles (more keys: causal) first. */
 static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv *kv, int li,
                                       const ks_scratch *S, const ks_batch *B, float *scratch)
@@ -368,17 +383,16 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
     const int8_t *kq = kv->k_q + lq * hd, *vq = kv->v_q + lq * hd;
     const float *ks = kv->k_s + lq, *vs = kv->v_s + lq;
     if (n == 1) {
-        const int split = ks_attn_split_len(B->pos0 + 1, kv->kv_bs);
-        const int n_split = (B->pos0 + split) / split;
+        const int n_seg = ks_attn_segments(B->pos0 + 1, kv->kv_bs);
         const int64_t pf = ks_attn_part_floats(G, hd);
-        KS_EACH_ITEM(w, nkv * n_split, it)
+        KS_EACH_ITEM(w, nkv * n_seg, it)
             ks_attn_decode_item(S->q, kq, ks, vq, vs, S->attn_parts + it * pf, nh, nkv, hd,
-                                kv->max_seq, B->pos0, M->scale, kv->kv_bs, split, it % n_split,
-                                it / n_split, scratch);
+                                kv->max_seq, B->pos0, M->scale, kv->kv_bs, it % n_seg,
+                                it / n_seg, scratch);
         if (!ks_phase_end(w))
             return 0;
         KS_EACH_ITEM(w, nh, h) {
-            ks_attn_decode_merge(S->attn_parts, S->att, nh, nkv, hd, n_split, h);
+            ks_attn_decode_merge(S->attn_parts, S->att, nh, nkv, hd, n_seg, h);
             ks_quantize_row_q8_0(S->att + h * hd, S->sq + h * hd, S->sd + h * (hd / KS_QK),
                                  S->sh + h * (hd / 16), hd);
         }

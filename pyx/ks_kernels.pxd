@@ -23,7 +23,7 @@ cdef extern from "ks_attention.h" nogil:
     float ks_quantize_head(const float *x, int8_t *q, int hd)
     int64_t ks_attn_scratch_floats(int nq, int hd, int kv_bs)
     int64_t ks_attn_part_floats(int G, int hd)
-    int ks_attn_split_len(int ctx, int kv_bs)
+    int ks_attn_segments(int ctx, int kv_bs)
     int ks_set_attn_tiles(int on)
     void ks_attn_prefill_item(const float *q, const int8_t *kq, const float *ks,
                               const int8_t *vq, const float *vs, float *out,
@@ -32,9 +32,9 @@ cdef extern from "ks_attention.h" nogil:
     void ks_attn_decode_item(const float *q, const int8_t *kq, const float *ks,
                              const int8_t *vq, const float *vs, float *part,
                              int n_heads, int n_kv, int hd, int max_seq, int pos0,
-                             float scale, int kv_bs, int split, int c, int g, float *scratch)
+                             float scale, int kv_bs, int c, int g, float *scratch)
     void ks_attn_decode_merge(const float *parts, float *out, int n_heads, int n_kv, int hd,
-                              int nsplit, int h)
+                              int n_seg, int h)
 
 
 cdef extern from "ks_rows.h" nogil:
@@ -121,7 +121,7 @@ cdef extern from "ks_forward.h" nogil:
     ctypedef struct ks_scratch:
         int max_chunk, nthreads
     int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, int max_chunk,
-                              int nthreads, int kv_bs)
+                              int nthreads, int max_seq, int kv_bs)
     ctypedef struct ks_team:
         int nthreads
     ctypedef void (*ks_team_fn)(ks_team *T, int tid, uint32_t pass_)

@@ -14,8 +14,11 @@ activations; the best time of each over the rounds is what the code can do.
     .venv/bin/python scripts/ab_kernels.py /tmp/base . --types Q4_K,Q6_K
 
 Products per type, one thread: prefill (64 tokens x a 4096 x 4096 matrix, GMAC/s) and decode
-(one token x 0.4 GB of rows or `--decode-mb`, GB/s). `--no-vnni` takes the AVX2 paths on a VNNI CPU. Not a
-benchmark against llama.cpp (bench/ has those): a tool for deciding a kernel change.
+(one token x 0.4 GB of rows or `--decode-mb`, GB/s). `--no-vnni` takes the AVX2 paths on a VNNI CPU.
+`--attention` times attention instead, on `--threads` threads, over one layer's int8 KV of the
+Qwen3-0.6B and SmolLM2 head layouts: decode at depths 256 to 8000 and prefill chunks of 256 at
+depths 0 and 3840. Not a benchmark against llama.cpp (bench/ has those): a tool for deciding a
+kernel change.
 """
 from __future__ import annotations
 
@@ -65,6 +68,28 @@ def best_of(builds: dict, run, rounds: int) -> dict:
     return best
 
 
+ATTENTION_LAYOUTS = {"qwen3-0.6b": (16, 8, 128), "smollm2": (9, 3, 64)}   # heads, KV heads, hd
+
+
+def attention_ab(builds: dict, rounds: int, nthreads: int) -> None:
+    """Attention of both builds on the same KV and queries: decode and prefill chunks."""
+    rng = np.random.default_rng(0)
+    for name, (nh, nkv, hd) in ATTENTION_LAYOUTS.items():
+        max_seq = 8192
+        kq = rng.integers(-127, 128, (nkv, max_seq, hd), dtype=np.int8)
+        vq = rng.integers(-127, 128, (nkv, max_seq, hd), dtype=np.int8)
+        ks = (rng.random((nkv, max_seq), dtype=np.float32) * 0.02).astype(np.float32)
+        vs = (rng.random((nkv, max_seq), dtype=np.float32) * 0.02).astype(np.float32)
+        for n, pos0 in ((1, 255), (1, 1023), (1, 3999), (1, 7999), (256, 0), (256, 3840)):
+            q = rng.standard_normal((n, nh, hd)).astype(np.float32)
+            out = np.empty_like(q)
+            best = best_of(builds, lambda K: K.attention(q, kq, ks, vq, vs, pos0, hd ** -0.5, 32,
+                                                         out, nthreads), rounds)
+            case = f"decode @ {pos0 + 1}" if n == 1 else f"prefill {n} @ {pos0}"
+            print(f"{name:10s} {case:18s} A {best['A'] * 1e3:8.3f} ms  B {best['B'] * 1e3:8.3f} ms"
+                  f"  B/A {best['A'] / best['B']:.3f}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("a", help="checkout of build A (the base)")
@@ -74,10 +99,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-vnni", action="store_true", help="the AVX2 paths on a VNNI CPU")
     ap.add_argument("--decode-mb", type=float, default=400,
                     help="the decode rows' size: 400 streams from memory, a few MB stay in cache")
+    ap.add_argument("--attention", action="store_true", help="time attention, not products")
+    ap.add_argument("--threads", type=int, default=2, help="attention's threads")
     args = ap.parse_args(argv)
     builds = {"A": load_build("build_a", args.a), "B": load_build("build_b", args.b)}
     for K in builds.values():
         K.set_matmul_vnni(not args.no_vnni)
+    if args.attention:
+        attention_ab(builds, args.rounds, args.threads)
+        return 0
     rng = np.random.default_rng(0)
     k = m = 4096
     for name in args.types.split(","):

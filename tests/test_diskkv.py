@@ -371,23 +371,23 @@ def test_one_daemon_per_directory(tmp_path):
 def test_daemon_restart_reuses_the_disk_snapshot(tmp_path):
     from daemon import Daemon
     prompt = ("The lighthouse keeper wrote in the log every evening: the wind, the sea, the "
-              "ships that passed and the lamp's oil. ") * 4
+              "ships that passed and the lamp's oil. ") * 12    # past a 256-key segment
     kv = tmp_path / "kv"
     with Daemon(tmp_path / "k.sock", "--disk-kv", str(kv)) as d:
         with d.client() as kc:
-            cold = kc.generate(prompt=prompt, max_tokens=6)
+            cold = kc.generate(prompt=prompt, max_tokens=6, logprobs=3)
             deadline = time.monotonic() + 30
             while kc.status()["disk_kv"]["files"] < 1:
                 assert time.monotonic() < deadline, d.log()
                 time.sleep(0.05)
     with Daemon(tmp_path / "k.sock", "--disk-kv", str(kv)) as d:
         with d.client() as kc:
-            warm = kc.generate(prompt=prompt, max_tokens=6)
+            warm = kc.generate(prompt=prompt, max_tokens=6, logprobs=3)
             st = kc.status()["disk_kv"]
         log = d.log()
     n = cold.usage["prompt_tokens"]
     assert cold.usage["cached_tokens"] == 0
     assert warm.usage["cached_tokens"] == n - 1 and warm.usage["prefill_tokens"] == 1
-    assert warm.ids == cold.ids
+    assert warm.ids == cold.ids and warm.logprobs == cold.logprobs     # the same bits
     assert f"[KV-DISK] hit keep={n - 1} prompt={n} prefill=1" in log
     assert (st["hits"], st["files"]) == (1, 1) and st["bytes_read"] > 0

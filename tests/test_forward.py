@@ -11,7 +11,7 @@ of the prefill logits and of transformers where it is decided.
 
 Measured (2,000 tokens, engine on 2 threads): vs transformers 0.013-0.017 with top-1
 0.9994-1.0; vs the same-numbers reference 0.004-0.009 (not ~0: Q8_0 activation rounding is
-discontinuous, so any last-bit difference upstream redraws it); chunking changes nothing.
+discontinuous, so any last-bit difference upstream redraws it); chunking changes no bit.
 """
 from __future__ import annotations
 
@@ -87,9 +87,10 @@ def test_logits_match_the_float64_reference(zoo, name, source):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_chunking_is_invisible(zoo, name):
-    """One chunk == chunks of 40 (not a multiple of kv_bs) == one token at a time."""
+    """One chunk == chunks of 40 (not a multiple of kv_bs) == one token at a time, bit for bit
+    (tests/test_same_bits.py holds every model kind to it at depths past 4,096)."""
     loaded = load_model(_path(zoo.get(name), "gguf-q8_0"))
-    n = 150
+    n = 300
     ids = prompt_ids(name, n, seed=2)
     one = _logits(_engine(loaded, n, 256), ids)
     chunked = _logits(_engine(loaded, n, 40), ids)
@@ -97,9 +98,7 @@ def test_prefill_chunking_is_invisible(zoo, name):
     stepper.kv.truncate(0)
     by_token = np.concatenate([stepper.forward_logits([t], pos) for pos, t in enumerate(ids)])
     for label, other in (("chunks of 40", chunked), ("token by token", by_token)):
-        rel = rel_rms_error(other, one)
-        assert rel <= 1e-5, f"{name}: {label} vs one chunk: rel RMS {rel:.2e}"
-        np.testing.assert_array_equal(other.argmax(-1), one.argmax(-1), err_msg=label)
+        np.testing.assert_array_equal(other.view(np.uint32), one.view(np.uint32), err_msg=label)
 
 
 def _greedy(loaded, name: str):
