@@ -435,6 +435,7 @@ OPTION_CHECKS = {
     "seed": lambda v: _int("seed", v, lo=0, hi=SEED_LIMIT - 1),
     "stop": lambda v: _stop("stop", v),
     "ignore_eos": lambda v: _bool("ignore_eos", v),
+    "speculate": lambda v: _bool("speculate", v),
     "logprobs": lambda v: _int("logprobs", v, lo=0, hi=MAX_LOGPROBS),
     "presence_penalty": lambda v: _number("presence_penalty", v, -PENALTY_LIMIT, PENALTY_LIMIT),
     "frequency_penalty": lambda v: _number("frequency_penalty", v, -PENALTY_LIMIT, PENALTY_LIMIT),

@@ -41,6 +41,7 @@ class SamplingOptions:
     ignore_eos: bool = False
     logprobs: int = 0               # top-k log-probabilities per generated token
     response_format: Optional[ResponseFormat] = None
+    speculate: bool = True          # drafts from the context, where the daemon speculates
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -89,6 +89,7 @@ class Config:
     max_seq: int = 8192                  # KV arena capacity in tokens (allocated once)
     threads: int = 0                     # 0: number of performance cores
     prefix_kv: bool = True               # reuse the KV of the longest common prefix
+    speculate: bool = True               # draft from the context, verify in one pass (exact)
     memory_check: bool = True            # refuse a model whose weights + arena exceed MemAvailable
     interleave: bool = True              # copy the matrices that have an interleaved product into it
     prefix_min: int = 16                 # LCP below this is a miss (design source: 16)
@@ -155,7 +156,7 @@ _ENV = {  # environment variable -> field
 
 
 _SWITCHES_OFF = {"no_prefix_kv": "prefix_kv", "no_memory_check": "memory_check",
-                 "no_interleave": "interleave"}
+                 "no_interleave": "interleave", "no_speculate": "speculate"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -179,6 +180,9 @@ def _parser() -> argparse.ArgumentParser:
       "mapped pages are released), which the products read faster")
     a("--no-prefix-kv", dest="prefix_kv", action="store_const", const=False,
       help="never reuse the previous request's KV")
+    a("--no-speculate", dest="speculate", action="store_const", const=False,
+      help="decode one token per pass; by default drafts from the prompt and the answer are "
+      "verified in one pass (the same tokens either way: docs/speculation.md)")
     a("--prefix-min", type=int, help="shortest common prefix reused (default 16)")
     a("--kv-bs", type=int, help="attention key block size (default 32)")
     a("--prefill-chunk", type=int, help="prefill chunk in tokens (default 256)")

@@ -69,7 +69,8 @@ def completion_result(c: Completion, queue_ms: float, ttft_ms: float) -> dict:
     timings = {"queue_ms": round(queue_ms, 3), "prefill_ms": round(c.prefill_ms, 3),
                "decode_ms": round(c.decode_ms, 3), "ttft_ms": round(ttft_ms, 3),
                "prefill_tok_s": round(c.prefill_tokens / prefill_s, 2) if prefill_s > 0 else 0.0,
-               "decode_tok_s": round(c.completion_tokens / decode_s, 2) if decode_s > 0 else 0.0}
+               "decode_tok_s": round(c.completion_tokens / decode_s, 2) if decode_s > 0 else 0.0,
+               "drafted_tokens": c.drafted_tokens, "accepted_tokens": c.accepted_tokens}
     if c.images is not None:
         usage.update(images=c.images.images, visual_tokens=c.images.visual_tokens)
         timings["encode_ms"] = c.images.encode_ms

@@ -76,6 +76,7 @@ class StatusReporter:
             "kv_arena_bytes": kv.nbytes,
             "cache_len": engine_stats["cache_len"],
             "prefix": dict(engine_stats["prefix"]),
+            "speculation": dict(engine_stats["speculation"]),
             "disk_kv": eng.disk_kv.stats() if eng.disk_kv is not None else {"enabled": False},
             "experts_copied_bytes": eng.model.weights.expert_copies_bytes(),
             "rss_mb": round(self.rss_bytes() / 2**20, 1),
