@@ -16,6 +16,7 @@ import jsonschema
 import ollama
 import pytest
 
+import modelgen_vl
 import scripted_model
 from daemon import Daemon
 
@@ -222,6 +223,38 @@ def test_thinking_and_api_key_on_a_scripted_qwen3(tmp_path):
         assert r.status_code == 200 and r.json()["chat_template"] == scripted_model.CHAT_TEMPLATE
 
 
+def test_images_reach_a_qwen3_vl_model(tmp_path):
+    """Ollama's base64 `images` (the client encodes the bytes) on a generated Qwen3-VL: the
+    same answer and prompt as the RPC chat with the image's bytes; a model without vision
+    answers 400 (the module's daemon)."""
+    gen = modelgen_vl.generate(tmp_path / "model")
+    picture = modelgen_vl.test_image(1, 100, 75)
+    with Daemon(tmp_path / "v.sock", "--http", "127.0.0.1:0", "--cache-dir",
+                str(tmp_path / "cache"), model=str(gen.dir)) as d:
+        c = ollama.Client(host=d.http_url)
+        name = own_name(c)
+        assert "vision" in c.show(name).capabilities
+        r = c.chat(model=name, messages=[{"role": "user", "content": "What is this?",
+                                          "images": [picture]}], options={"num_predict": 4})
+        with d.client() as rpc:
+            want = rpc.chat(messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"}, {"type": "image", "data": picture}]}],
+                max_tokens=4)
+        assert (r.message.content, r.prompt_eval_count) == (want.text,
+                                                            want.usage["prompt_tokens"])
+        assert want.usage["images"] == 1
+        g = c.generate(model=name, prompt="What is this?", images=[picture],
+                       options={"num_predict": 4})
+        assert (g.response, g.prompt_eval_count) == (r.message.content, r.prompt_eval_count)
+
+
+def test_images_to_a_model_without_vision_are_refused(client):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=ALIAS, messages=[{"role": "user", "content": "What is this?",
+                                            "images": [modelgen_vl.test_image(1, 8, 8)]}])
+    assert e.value.status_code == 400 and "takes no images" in e.value.error
+
+
 # ---------------------------------------------------------------- llama.cpp's endpoints
 
 def test_completion_whole_and_streamed(daemon, http):
@@ -308,6 +341,15 @@ def test_hostile_bodies_get_a_clear_4xx(daemon, http, path):
     if path in ("/api/chat", "/api/generate"):
         cases.append(dict(good, options={f"opt{i}": i for i in range(3000)}))   # huge options
         cases.append(dict(good, options={"num_predict": 10 ** 30, "temperature": "hot"}))
+    numbers = {"/api/chat": dict(good, options={"num_ctx": "N"}),
+               "/api/generate": dict(good, options={"num_predict": "N"}),
+               "/completion": dict(good, n_predict="N"), "/tokenize": {"content": "N"},
+               "/detokenize": {"tokens": ["N"]}}
+    for number in ("Infinity", "NaN", "1e400", "-1e400"):      # JSON that Python reads
+        if path in numbers:
+            raw = json.dumps(numbers[path]).replace('"N"', number)
+            r = http.post(path, content=raw.encode())
+            assert r.status_code == 400 and message(r), (raw, r.text)
     if path == "/completion":
         cases.append(dict(good, n_predict=[1], samplers="x" * 100, grammar="root ::= x"))
     if path == "/apply-template":

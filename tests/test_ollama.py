@@ -124,6 +124,12 @@ def test_tools_tool_calls_and_images_reach_the_rpc_shape():
     ({"model": "qwen3:1.7b", "messages": [{"role": "user", "content": "x", "name": "a"}]},
      "unknown key"),
     ({"model": "qwen3:1.7b", "messages": []}, "non-empty array"),
+    ({"model": "qwen3:1.7b", "messages": [{"role": "user", "content": [
+        {"type": "image", "path": "/etc/passwd"}]}]}, "content must be a string"),
+    ({"model": "qwen3:1.7b", "messages": USER, "options": {"num_ctx": float("inf")}},
+     "integer"),
+    ({"model": "qwen3:1.7b", "messages": USER, "options": {"num_predict": float("nan")}},
+     "integer"),
     ([1, 2], "JSON object"),
 ])
 def test_bad_chat_bodies_are_named(body, needle):

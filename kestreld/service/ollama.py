@@ -231,9 +231,9 @@ def _stream(body: dict) -> bool:
 
 
 def _int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+    if isinstance(v, bool) or not isinstance(v, int):
         raise BadRequest(f"{name} must be an integer, got {str(v)[:60]}", param=name)
-    return int(v)
+    return v
 
 
 def _options(opts, max_seq: int) -> dict:
@@ -315,8 +315,6 @@ def _images(images, where: str) -> list:
 def _with_images(text, images, where: str):
     if images is None or images == []:
         return text
-    if not isinstance(text, str):
-        raise BadRequest(f"{where}.content must be a string", param=where)
     return [{"type": "text", "text": text}, *_images(images, f"{where}.images")]
 
 
@@ -348,8 +346,11 @@ def _messages(messages) -> list:
         if unknown:
             raise BadRequest(f"{where}: unknown key(s) {', '.join(unknown[:8])}; allowed: "
                              f"{', '.join(_MESSAGE_KEYS)}", param="messages")
-        message = {"role": m.get("role"),
-                   "content": _with_images(m.get("content") or "", m.get("images"), where)}
+        content = m.get("content") or ""
+        if not isinstance(content, str):     # parts are built here, never taken as sent
+            raise BadRequest(f"{where}.content must be a string", param="messages")
+        message = {"role": m.get("role"), "content": _with_images(content, m.get("images"),
+                                                                     where)}
         if m.get("tool_calls"):
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         if m.get("tool_call_id") is not None:
