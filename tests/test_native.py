@@ -33,6 +33,13 @@ HASS_TOOL = {"type": "function", "function": {
         "domain": {"type": "array", "items": {"type": "string"}}}, "required": []}}}
 
 
+ROUTES = [("GET", "/"), ("GET", "/api/version"), ("GET", "/api/tags"), ("GET", "/api/ps"),
+          ("POST", "/api/show"), ("POST", "/api/chat"), ("POST", "/api/generate"),
+          ("POST", "/api/pull"), ("POST", "/api/embed"), ("DELETE", "/api/delete"),
+          ("POST", "/completion"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+          ("GET", "/props"), ("GET", "/slots"), ("POST", "/apply-template")]
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     with Daemon(tmp_path_factory.mktemp("kn") / "k.sock", "--http", "127.0.0.1:0",
@@ -188,9 +195,10 @@ def test_errors_in_ollama_shape(client, http):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=ALIAS, messages=QUESTION, options={"top_p": 5})
     assert e.value.status_code == 400 and "top_p" in e.value.error
-    r = http.post("/api/chat", json={"model": ALIAS, "messages": QUESTION},
-                  headers={"Host": "evil.example"})
-    assert r.status_code == 403 and "loopback" in r.json()["error"]
+    for method, path in ROUTES:
+        r = http.request(method, path, json={"model": ALIAS, "messages": QUESTION},
+                         headers={"Host": "evil.example"})
+        assert r.status_code == 403 and "loopback" in r.text, (path, r.text)
     r = http.get("/api/nothing")
     assert r.status_code == 404 and isinstance(r.json()["error"], str)
 
@@ -219,6 +227,9 @@ def test_thinking_and_api_key_on_a_scripted_qwen3(tmp_path):
         with pytest.raises(ollama.ResponseError) as e:
             ollama.Client(host=d.http_url).list()
         assert e.value.status_code == 401 and "API key" in e.value.error
+        for method, path in ROUTES:
+            r = httpx.request(method, d.http_url + path, json={})
+            assert r.status_code == 401, (path, r.text)
         r = httpx.get(d.http_url + "/props", headers={"Authorization": "Bearer k3y"})
         assert r.status_code == 200 and r.json()["chat_template"] == scripted_model.CHAT_TEMPLATE
 
