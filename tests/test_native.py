@@ -7,6 +7,7 @@ thinking and API-key test starts its own on the scripted Qwen3 model (tests/scri
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -119,6 +120,25 @@ def test_home_assistant_flow(daemon, client):
     whole = client.chat(stream=False, **kwargs)
     assert whole.message.content == text and whole.eval_count == last.eval_count
     assert "options.num_ctx 8192 is above the context of 512 tokens" in daemon.log()
+
+
+def test_async_client_and_the_default_stream(daemon, client, http):
+    """Home Assistant's client is the AsyncClient; a body without `stream` is streamed as
+    NDJSON, one JSON object a line (Ollama's default)."""
+    kwargs = dict(model=ALIAS, messages=QUESTION, options={"num_predict": 6}, keep_alive=-1)
+
+    async def run():
+        c = ollama.AsyncClient(host=daemon.http_url)
+        return "".join([part.message.content async for part in await c.chat(stream=True,
+                                                                            **kwargs)])
+    text = asyncio.run(run())
+    assert text == client.chat(**kwargs).message.content
+    with http.stream("POST", "/api/chat", json={"model": ALIAS, "messages": QUESTION,
+                                                "options": {"num_predict": 6}}) as r:
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        objects = [json.loads(line) for line in r.iter_lines() if line]
+    assert "".join(o["message"]["content"] for o in objects) == text
+    assert [o["done"] for o in objects] == [False] * (len(objects) - 1) + [True]
 
 
 def test_chat_answers_as_the_rpc_chat_does(daemon, client):
