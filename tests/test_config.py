@@ -81,3 +81,14 @@ def test_mmproj_from_argv_env_and_file(tmp_path):
     empty = tmp_path / "empty.conf"
     empty.write_text("")
     assert load_config(["--config", str(empty)], environ={}).mmproj is None
+
+
+def test_alias_from_argv_and_file_adds_up(tmp_path):
+    conf = tmp_path / "k.conf"
+    conf.write_text("alias = qwen3-vl:2b\nalias = llama3.2\n")
+    assert load_config(["--config", str(conf)], environ={}).alias == ("qwen3-vl:2b", "llama3.2")
+    cfg = load_config(["--config", str(conf), "--alias", "a:1", "--alias", "b"], environ={})
+    assert cfg.alias == ("a:1", "b")            # argv replaces the file's list
+    for bad in ("", "two words", "x" * 201):
+        with pytest.raises(ValueError, match="alias"):
+            Config(alias=(bad,))

@@ -124,15 +124,20 @@ class PromptBuilder:
             return Prompt(list(request.ids))
         return Prompt(self.tokenize(request.text, add_special=True))
 
-    def _chat(self, request: ChatInput) -> Prompt:
+    def chat_text(self, request: ChatInput) -> tuple[str, list]:
+        """The prompt text of a conversation (images as their placeholders), and its
+        image parts; BadRequest for images to a model without a vision encoder."""
         rendered, parts = chat_images([_flatten_text(m) for m in request.messages])
-        vision = self.model.vision
-        if parts and vision is None:
+        if parts and self.model.vision is None:
             hint = (" (a Qwen3-VL text GGUF: start kestreld with --mmproj FILE for its vision "
                     "encoder)" if self.model.config.arch == "qwen3vl" else "")
             raise BadRequest(f"the model {self.model.config.name} takes no images{hint}")
+        return self.render_chat(rendered, request.enable_thinking, request.tool_use()), parts
+
+    def _chat(self, request: ChatInput) -> Prompt:
+        text, parts = self.chat_text(request)
+        vision = self.model.vision
         tools = request.tool_use()
-        text = self.render_chat(rendered, request.enable_thinking, tools)
         ids = self.tokenize(text)
         thinking = True if opens_thinking(text) else (False if request.enable_thinking else None)
         answer = dict(thinking=thinking, split_reasoning=request.split_reasoning, tools=tools)

@@ -112,6 +112,7 @@ class Config:
     http_allow_remote: bool = False      # allow non-loopback HTTP addresses (and any Host header)
     http_api_key_file: Optional[str] = None  # the Bearer key the HTTP API then requires
     http_cors_origin: tuple = ()         # origins the HTTP API allows by CORS (none: no CORS headers)
+    alias: tuple = ()                    # more names of the model in the HTTP API ("qwen3-vl:2b")
     cpu_sysfs: str = SYSFS_CPU           # where cpu*/cpu_capacity tell the big cores (config file only)
 
     def __post_init__(self):
@@ -129,6 +130,10 @@ class Config:
             if not (address.loopback or self.http_allow_remote):
                 raise ValueError(f"http: {address} is not a loopback address; "
                                  f"give http-allow-remote to listen on it")
+        for name in self.alias:
+            if not 0 < len(name) <= 200 or any(c.isspace() or not c.isprintable() for c in name):
+                raise ValueError(f"alias must be 1..200 printable characters without spaces, "
+                                 f"got {name[:60]!r}")
         if self.kv_bs < 16 or self.kv_bs & (self.kv_bs - 1):
             raise ValueError(f"kv-bs must be a power of two >= 16 (the attention kernel's "
                              f"vector width), got {self.kv_bs}")
@@ -213,6 +218,9 @@ def _parser() -> argparse.ArgumentParser:
       help="file holding the API key that HTTP requests must send as `Authorization: Bearer KEY`")
     a("--http-cors-origin", action="append", metavar="ORIGIN",
       help="origin allowed to call the HTTP API from a browser (CORS); repeatable (default none)")
+    a("--alias", action="append", metavar="NAME",
+      help="another name the HTTP API serves the model under, as apps are configured with it "
+      "(Ollama's `qwen3-vl:2b`); repeatable; docs/http.md")
     a("--config", dest="config_file",
       help=f"config file of `key = value` lines (default {DEFAULT_CONFIG_FILE} if present)")
     return p

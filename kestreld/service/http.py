@@ -36,6 +36,7 @@ from ..errors import (BadRequest, KestrelError, Loading, MethodNotAllowed, NotFo
 from .config import Config, HttpAddress
 from .methods import Methods, completion_result, token_payload
 from .metrics import CONTENT_TYPE, Metrics
+from .native import PATHS as NATIVE_PATHS, NativeRoutes, error_body_for, read_json
 from .openai import (CHAT_PATH, COMPLETIONS_PATH, Answer, Translated, chat_request,
                      completion_request, error_body, model, models)
 from .scheduler import Done, Failed, Progress, Token
@@ -45,7 +46,7 @@ log = logging.getLogger("kestreld.service.http")
 
 HTTP_CONN_ID = 0              # the scheduler's conn_id of HTTP jobs (RPC connections count from 1)
 SHUTDOWN_TIMEOUT_S = 2.0      # after the scheduler is drained: time for the last answers to go out
-PATHS = (CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health", "/metrics")
+PATHS = (CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health", "/metrics") + NATIVE_PATHS
 CORS_HEADERS = "Authorization, Content-Type"
 
 
@@ -107,6 +108,7 @@ class HttpApi:
         app.router.add_get("/v1/models/{model_id}", self._model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        NativeRoutes(self).add_to(app)           # Ollama's and llama.cpp's routes (native.py)
         app.on_response_prepare.append(self._cors)
         # handler_cancellation: a closed connection cancels its handler (and so its job)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -169,14 +171,15 @@ class HttpApi:
             else:
                 response = await handler(request)
         except web.HTTPException as e:
-            response = self._error(_from_http_exception(request, e, self.cfg.max_message_bytes))
+            response = self._error(_from_http_exception(request, e, self.cfg.max_message_bytes),
+                                   request.path)
         except ConnectionError:           # the client went away mid-answer: nobody to tell
             raise
         except KestrelError as e:
-            response = self._error(e)
+            response = self._error(e, request.path)
         except Exception as e:            # a bug here must not kill the daemon
             log.exception("HTTP %s %s: internal error", request.method, request.path)
-            response = self._error(internal(e))
+            response = self._error(internal(e), request.path)
         self.metrics.http_response(path, response.status)
         return response
 
@@ -216,8 +219,8 @@ class HttpApi:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
 
-    def _error(self, error: KestrelError) -> web.Response:
-        return web.json_response(error_body(error), status=error.http_status)
+    def _error(self, error: KestrelError, path: str) -> web.Response:
+        return web.json_response(error_body_for(path, error), status=error.http_status)
 
     def _serving(self) -> Methods:
         if self.state == "loading":
@@ -225,6 +228,10 @@ class HttpApi:
         if self.state == "stopping":
             raise ShuttingDown("the daemon is shutting down")
         return self.methods
+
+    def serving(self) -> Methods:
+        """The methods, once the model is loaded (Loading before, ShuttingDown after)."""
+        return self._serving()
 
     # ------------------------------------------------------------ endpoints
 
@@ -258,7 +265,7 @@ class HttpApi:
     async def _generate(self, request: web.Request, translate) -> web.StreamResponse:
         """Read, translate (openai.py), validate and submit; answer whole or streamed."""
         methods = self._serving()
-        req: Translated = translate(await _json(request), self.model_id)
+        req: Translated = translate(await read_json(request), self.model_id)
         params = methods.validate(req.method, req.params)
         events: asyncio.Queue = asyncio.Queue()
         self._next_msgid += 1
@@ -277,6 +284,30 @@ class HttpApi:
         finally:
             # the client went away (the handler is cancelled) or a write failed: the job
             # must not run on for nobody
+            if not finished:
+                methods.scheduler.withdraw(job)
+
+    async def job_events(self, request: web.Request, method: str, params: dict):
+        """Validate and submit an RPC chat / generate request (the other APIs' routes,
+        native.py); yield its Token events, then its Done, or raise its error. A consumer
+        that stops early (its client went away) withdraws the job."""
+        methods = self.serving()
+        valid = methods.validate(method, params)
+        events: asyncio.Queue = asyncio.Queue()
+        self._next_msgid += 1
+        job = methods.submit(HTTP_CONN_ID, self._next_msgid, valid, events.put_nowait,
+                             transport="http", endpoint=request.path)
+        finished = False
+        try:
+            while not finished:
+                ev = await events.get()
+                if isinstance(ev, Failed):
+                    finished = True
+                    raise ev.error
+                if not isinstance(ev, Progress):
+                    finished = isinstance(ev, Done)
+                    yield ev
+        finally:
             if not finished:
                 methods.scheduler.withdraw(job)
 
@@ -328,15 +359,6 @@ class HttpApi:
 
 async def _send(response: web.StreamResponse, obj: dict) -> None:
     await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
-
-
-async def _json(request: web.Request):
-    """The request body as JSON (TooLarge past max_message_bytes, BadRequest if invalid)."""
-    body = await request.read()
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as e:    # UnicodeDecodeError is a ValueError
-        raise BadRequest(f"the body is not valid JSON: {str(e)[:200]}") from None
 
 
 def _from_http_exception(request: web.Request, e: web.HTTPException, limit: int) -> KestrelError:

@@ -132,6 +132,11 @@ class Methods:
             return {"ids": list(self.engine.tokenize(params.text, add_special=params.add_special))}
         return {"text": self.engine.detokenize(list(params.ids))}
 
+    def chat_prompt(self, params: ChatParams) -> str:
+        """The prompt text a chat request renders to (the model's template; no KV touched,
+        safe off the engine thread): llama.cpp's /apply-template."""
+        return self.engine.prompts.chat_text(engine_request(params))[0]
+
     def now(self, conn_id: int, method: str, params: Params) -> dict:
         """status, ping, cancel (of a request of connection `conn_id`)."""
         if method == "status":
