@@ -85,6 +85,12 @@ class NotFound(KestrelError, code="not_found", http_status=404, exit_status=None
     """No such HTTP path (or model id)."""
 
 
+class ModelNotFound(KestrelError, code="model_not_found", http_status=404, exit_status=None,
+                    wire=False):
+    """Under --strict-model: a request naming a model this daemon does not serve (OpenAI's
+    code; without --strict-model the loaded model answers, as llama.cpp's server does)."""
+
+
 class MethodNotAllowed(KestrelError, code="method_not_allowed", http_status=405,
                        exit_status=None, wire=False):
     """An HTTP method the path does not take."""

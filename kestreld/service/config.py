@@ -111,6 +111,7 @@ class Config:
     http_allow_remote: bool = False      # allow non-loopback HTTP addresses (and any Host header)
     http_api_key_file: Optional[str] = None  # the Bearer key the HTTP API then requires
     http_cors_origin: tuple = ()         # origins the HTTP API allows by CORS (none: no CORS headers)
+    strict_model: bool = False           # HTTP: a request naming another model is refused (404)
     cpu_sysfs: str = SYSFS_CPU           # where cpu*/cpu_capacity tell the big cores (config file only)
 
     def __post_init__(self):
@@ -209,6 +210,9 @@ def _parser() -> argparse.ArgumentParser:
       help="file holding the API key that HTTP requests must send as `Authorization: Bearer KEY`")
     a("--http-cors-origin", action="append", metavar="ORIGIN",
       help="origin allowed to call the HTTP API from a browser (CORS); repeatable (default none)")
+    a("--strict-model", action="store_const", const=True,
+      help="HTTP API: refuse a request naming another model (404 model_not_found); by "
+      "default the loaded model answers whatever model a client names, as llama.cpp does")
     a("--config", dest="config_file",
       help=f"config file of `key = value` lines (default {DEFAULT_CONFIG_FILE} if present)")
     return p
