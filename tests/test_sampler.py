@@ -133,3 +133,12 @@ def test_logit_bias_adds_and_minus_100_bans():
     assert Sampler(SamplingOptions(logit_bias=((3, 7.5),))).next_token(lg, [], []) == 3
     banned = Sampler(SamplingOptions(temperature=1.0, seed=0, logit_bias=((0, -100.0),)))
     assert 0 not in {banned.next_token(lg, [], []) for _ in range(300)}
+
+
+def test_a_denormal_repeat_penalty_never_makes_nan():
+    """repeat_penalty 5e-324 (found by the HTTP fuzz run): a positive logit divided by it is
+    capped, not inf, so the draw has finite probabilities."""
+    lg = np.array([4.0, 1.0, -1.0], dtype=np.float32)
+    s = Sampler(SamplingOptions(temperature=1.0, repeat_penalty=5e-324, seed=0))
+    out = s.penalize(lg, [0, 1, 2], [])
+    assert np.isfinite(out).all() and s.choose(out) in (0, 1)

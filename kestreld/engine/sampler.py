@@ -16,6 +16,7 @@ import numpy as np
 
 REPEAT_WINDOW = 64   # tokens looked back by the repeat penalty (llama.cpp's default)
 BAN = 100.0          # a logit_bias of -100 bans its token
+_FLOAT64_MAX = float(np.finfo(np.float64).max)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class Sampler:
         out = logits.astype(np.float64)    # float64: a tiny penalty must not overflow to inf
         ids = np.unique(np.asarray(recent, dtype=np.int64))
         vals = out[ids]
-        out[ids] = np.where(vals > 0, vals / p, vals * p)
+        with np.errstate(over="ignore"):      # a denormal penalty: capped, never inf (inf - inf)
+            out[ids] = np.where(vals > 0, np.minimum(vals / p, _FLOAT64_MAX), vals * p)
         return out
 
     def choose(self, logits: np.ndarray) -> int:
