@@ -523,9 +523,11 @@ def validate_params(method: str, params, vocab_size: int,
         tools = _tools(p.get("tools", []))
         return ChatParams(messages=_messages(p["messages"]),
                           enable_thinking=_bool("enable_thinking", p.get("enable_thinking", False)),
-                          options=_options(p, vocab_size), stream=_bool("stream", p.get("stream", True)),
+                          options=_options(p, vocab_size),
+                          stream=_bool("stream", p.get("stream", True)),
                           split_reasoning=_bool("split_reasoning", p.get("split_reasoning", False)),
-                          tools=tools, tool_choice=_tool_choice(p.get("tool_choice", "auto"), tools),
+                          tools=tools,
+                          tool_choice=_tool_choice(p.get("tool_choice", "auto"), tools),
                           parallel_tool_calls=_bool("parallel_tool_calls",
                                                     p.get("parallel_tool_calls", True)))
     if method == "tokenize":

@@ -192,7 +192,8 @@ def test_responses_whole_equals_chat(sdk):
     assert r.object == "response" and r.id.startswith("resp") and r.store is False
     assert r.output_text == chat.choices[0].message.content
     (msg,) = r.output
-    assert msg.type == "message" and msg.role == "assistant" and msg.content[0].type == "output_text"
+    assert msg.type == "message" and msg.role == "assistant"
+    assert msg.content[0].type == "output_text"
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.usage.output_tokens == chat.usage.completion_tokens
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
@@ -290,7 +291,8 @@ def test_hostile_responses_bodies(http, body, param):
 def test_hostile_inputs_on_the_new_routes(daemon, http):
     """Malformed JSON, wrong types, a disconnect mid-stream: clear 4xx, the daemon serves on."""
     for path in ("/v1/responses", "/responses", "/chat/completions", "/completions"):
-        r = http.post(path, content=b'{"input": "Hi", ', headers={"Content-Type": "application/json"})
+        r = http.post(path, content=b'{"input": "Hi", ',
+                      headers={"Content-Type": "application/json"})
         assert_error(r, 400, "bad_request")
         assert_error(http.post(path, json=[1, 2]), 400, "bad_request")
     assert_error(http.get("/responses"), 405, "method_not_allowed")

@@ -2,9 +2,9 @@
 log-probabilities.
 
 Order (as llama.cpp's default chain): logit_bias -> repeat penalty -> presence /
-frequency penalties -> the grammar's mask (response_format, forced tool calls: engine/constraint.py) -> (greedy:
-argmax) or temperature -> top-k -> top-p -> min-p -> draw with the request's seeded
-generator; the chosen token is then committed to the grammar.
+frequency penalties -> the grammar's mask (response_format, forced tool calls:
+engine/constraint.py) -> (greedy: argmax) or temperature -> top-k -> top-p -> min-p -> draw
+with the request's seeded generator; the chosen token is then committed to the grammar.
 Log-probabilities are those of the model (log-softmax of the raw logits).
 """
 from __future__ import annotations

@@ -321,7 +321,8 @@ class ResponseAnswer:
     def _delta(self, kind: str, text: str) -> list:
         out = self._open(kind)
         self.part_text += text
-        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        name = ("response.output_text.delta" if kind == "message"
+                else "response.reasoning_text.delta")
         extra = {"logprobs": []} if kind == "message" else {}
         out.append(self._event(name, item_id=self.item["id"], output_index=len(self.output),
                                content_index=0, delta=text, **extra))
