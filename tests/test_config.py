@@ -81,3 +81,11 @@ def test_mmproj_from_argv_env_and_file(tmp_path):
     empty = tmp_path / "empty.conf"
     empty.write_text("")
     assert load_config(["--config", str(empty)], environ={}).mmproj is None
+
+
+def test_strict_model_from_flag_and_file(tmp_path):
+    assert not load_config([], environ={}).strict_model
+    assert load_config(["--strict-model"], environ={}).strict_model
+    conf = tmp_path / "k.conf"
+    conf.write_text("strict-model = true\n")
+    assert load_config(["--config", str(conf)], environ={}).strict_model
