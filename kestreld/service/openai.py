@@ -28,8 +28,6 @@ from ..protocol import MAX_LOGPROBS
 
 OWNED_BY = "kestrel"
 MAX_CHOICES = 16              # `n`: choices of one request (each one a job after the first)
-# Kestrel's codes where OpenAI has its own: OpenAI clients look for these
-OPENAI_CODES = {"prompt_too_long": "context_length_exceeded"}
 
 TokenBytes = Callable[[int], bytes]
 
@@ -451,8 +449,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 def error_body(error: KestrelError) -> dict:
-    """`{"error": {message, type, param, code}}` (OpenAI's shape); code is Kestrel's, or
-    OpenAI's where it has one for the same failure (OPENAI_CODES)."""
+    """`{"error": {message, type, param, code}}` (OpenAI's shape); code is the error's
+    `http_code` (Kestrel's, or OpenAI's where it has one: errors.py)."""
     return {"error": {"message": str(error),
                       "type": _ERROR_TYPES.get(error.http_status, "server_error"),
-                      "param": error.param, "code": OPENAI_CODES.get(error.code, error.code)}}
+                      "param": error.param, "code": error.http_code}}
