@@ -249,6 +249,14 @@ def test_responses_function_call_round_trip(sdk):
          "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "5"}])
     assert follow.output_text and not [i for i in follow.output if i.type == "function_call"]
+    # an agent's habit: the previous output items sent back as they came (ids, statuses)
+    again = sdk.responses.create(model=MODEL, tools=FLAT, max_output_tokens=8, input=[
+        {"role": "user", "content": "What is 2 + 3?"},
+        *[i.model_dump(exclude_none=True) for i in r.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "5"},
+        *[i.model_dump(exclude_none=True) for i in follow.output],
+        {"role": "user", "content": "Thanks!"}])
+    assert again.output_text and again.usage.input_tokens > follow.usage.input_tokens
     # streamed: the call as an item with its arguments' events
     events = list(sdk.responses.create(model=MODEL, input="What is 2 + 3?", tools=FLAT,
                                        tool_choice="required", parallel_tool_calls=False,
