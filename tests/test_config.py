@@ -92,3 +92,11 @@ def test_alias_from_argv_and_file_adds_up(tmp_path):
     for bad in ("", "two words", "x" * 201):
         with pytest.raises(ValueError, match="alias"):
             Config(alias=(bad,))
+
+
+def test_strict_model_from_flag_and_file(tmp_path):
+    assert not load_config([], environ={}).strict_model
+    assert load_config(["--strict-model"], environ={}).strict_model
+    conf = tmp_path / "k.conf"
+    conf.write_text("strict-model = true\n")
+    assert load_config(["--config", str(conf)], environ={}).strict_model

@@ -97,15 +97,23 @@ class _Output:
     """The answer's text as it is emitted: split into text and reasoning when the prompt
     splits it, its tool calls parsed out of the text when the prompt offers tools (after
     the split: the thinking block stays apart), streamed to `on_token` and kept for the
-    Completion."""
+    Completion.
+
+    The calls end the answer (`ended`) at the first call when it may make only one
+    (parallel_tool_calls false), and at a call that repeats an earlier one word for word
+    (dropped): a model looping on the same call would otherwise run to max_tokens. A
+    forced answer (tool_choice "required" or named) is calls only: a block the length
+    limit cut off is dropped, never shown as text."""
 
     def __init__(self, on_token: Optional[TokenFn], prompt: Prompt):
         self.on_token = on_token
         self.splitter = ReasoningSplitter(bool(prompt.thinking)) if prompt.split_reasoning else None
         self.parser = ToolCallParser() if prompt.tools is not None else None
+        self.tools = prompt.tools
         self.text: list = []
         self.reasoning: list = []
         self.calls: list = []
+        self.ended = False
 
     def emit(self, ids: list, piece: str, logprobs: Optional[list]) -> None:
         thought = None
@@ -114,7 +122,24 @@ class _Output:
         calls = []
         if self.parser is not None:
             piece, calls = self.parser.feed(piece)
+            calls = self._new_calls(calls)
         self._send(ids, piece, thought, calls, logprobs)
+
+    def _new_calls(self, calls: list) -> list:
+        """The calls that do not repeat an earlier one, up to the one call of a single-call
+        answer; sets `ended` when the answer should stop here."""
+        seen = {(c.name, c.arguments) for c in self.calls}
+        out = []
+        for call in calls:
+            if self.ended:
+                break
+            if (call.name, call.arguments) in seen:
+                self.ended = True
+                break
+            seen.add((call.name, call.arguments))
+            out.append(call)
+            self.ended = self.tools.single
+        return out
 
     def close(self) -> tuple[str, Optional[str], list]:
         """(text, reasoning or None, tool calls) of the whole answer; what the splitter and
@@ -124,7 +149,9 @@ class _Output:
         if self.parser is not None:
             piece, calls = self.parser.feed(piece)
             rest, more = self.parser.flush()
-            piece, calls = piece + rest, calls + more
+            if self.tools.required:
+                rest = ""              # a forced call cut off by the length limit
+            piece, calls = piece + rest, self._new_calls(calls + more)
         if piece or thought or calls:
             self._send([], piece, thought, calls, None)
         reasoning = "".join(self.reasoning) if self.splitter is not None else None
@@ -269,7 +296,7 @@ class Engine:
         self.drafted += feeder.drafted
         self.accepted += feeder.accepted
         text, reasoning, calls = out.close()
-        if calls and finish == "stop":
+        if calls and (finish == "stop" or (finish == "length" and prompt.tools.required)):
             finish = "tool_calls"
         t_end = time.perf_counter()
         if self.disk_kv is not None:
@@ -359,7 +386,7 @@ class Engine:
             out.emit(pending, text[emitted:safe], lps[-1:] if lps is not None else None)
             pending = []
             emitted = safe
-            if sampler.finished:          # the grammar is complete: only the end may follow
+            if sampler.finished or out.ended:   # the grammar is complete, or the calls are
                 finish = "stop"
                 break
             if len(generated) >= max_tokens:

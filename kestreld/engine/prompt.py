@@ -44,12 +44,14 @@ class ChatInput:
     `split_reasoning`: the answer's thinking block comes back apart (text/reasoning.py).
     `tools`: OpenAI function specs the answer may call ({"type": "function", "function":
     {"name", "description", "parameters"}}); `tool_choice`: "auto", "none" (no tools
-    rendered), "required", or {"type": "function", "function": {"name"}} (that one)."""
+    rendered), "required", or {"type": "function", "function": {"name"}} (that one);
+    `parallel_tool_calls` False: at most one call."""
     messages: tuple
     enable_thinking: bool = False
     split_reasoning: bool = False
     tools: tuple = ()
     tool_choice: Union[str, dict] = "auto"
+    parallel_tool_calls: bool = True
 
     def tool_use(self) -> Optional[ToolUse]:
         """The tools the answer may call and how, or None (no tools, or "none")."""
@@ -59,8 +61,10 @@ class ChatInput:
             name = self.tool_choice["function"]["name"]
             if name not in {t["function"]["name"] for t in self.tools}:
                 raise BadRequest(f"tool_choice names function {name!r}, which is not in tools")
-            return ToolUse(self.tools, required=True, only=name)
-        return ToolUse(self.tools, required=self.tool_choice == "required")
+            return ToolUse(self.tools, required=True, only=name,
+                           parallel=self.parallel_tool_calls)
+        return ToolUse(self.tools, required=self.tool_choice == "required",
+                       parallel=self.parallel_tool_calls)
 
 
 Request = Union[TextInput, ChatInput]

@@ -113,6 +113,7 @@ class Config:
     http_api_key_file: Optional[str] = None  # the Bearer key the HTTP API then requires
     http_cors_origin: tuple = ()         # origins the HTTP API allows by CORS (none: no CORS headers)
     alias: tuple = ()                    # more names of the model in the HTTP API ("qwen3-vl:2b")
+    strict_model: bool = False           # HTTP: a request naming another model is refused (404)
     cpu_sysfs: str = SYSFS_CPU           # where cpu*/cpu_capacity tell the big cores (config file only)
 
     def __post_init__(self):
@@ -221,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--alias", action="append", metavar="NAME",
       help="another name the HTTP API serves the model under, as apps are configured with it "
       "(Ollama's `qwen3-vl:2b`); repeatable; docs/http.md")
+    a("--strict-model", action="store_const", const=True,
+      help="HTTP API: refuse a request naming another model (404 model_not_found); by "
+      "default the loaded model answers whatever model a client names, as llama.cpp does")
     a("--config", dest="config_file",
       help=f"config file of `key = value` lines (default {DEFAULT_CONFIG_FILE} if present)")
     return p

@@ -20,14 +20,15 @@ see protocol types.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable, Union
 
 from ..engine.generate import Completion, TokenEvent
 from ..engine.prompt import ChatInput, Request, TextInput
 from ..engine.sampler import ResponseFormat, SamplingOptions
-from ..protocol import (ChatParams, DetokenizeParams, GenerateParams, Params, TokenizeParams,
-                        CancelParams, validate_params)
+from ..protocol import (SEED_LIMIT, ChatParams, DetokenizeParams, GenerateParams, Params,
+                        TokenizeParams, CancelParams, validate_params)
 from .scheduler import Event, Job, Scheduler
 from .status import StatusReporter
 
@@ -40,16 +41,30 @@ def engine_request(params: Union[GenerateParams, ChatParams]) -> Request:
     """The engine's request for generate / chat params."""
     if isinstance(params, ChatParams):
         return ChatInput(tuple(dict(m) for m in params.messages), params.enable_thinking,
-                         params.split_reasoning, params.tools, params.tool_choice)
+                         params.split_reasoning, params.tools, params.tool_choice,
+                         params.parallel_tool_calls)
     return TextInput(text=params.prompt, ids=params.ids)
 
 
 def sampling_options(params: Union[GenerateParams, ChatParams], default_max_tokens: int) -> SamplingOptions:
     """The request's sampling options; max_tokens defaults to the daemon's --max-tokens."""
     options = {"max_tokens": default_max_tokens, **params.options}
+    if options.get("logit_bias") is not None:
+        options["logit_bias"] = tuple(options["logit_bias"].items())
     if options.get("response_format") is not None:
         options["response_format"] = ResponseFormat(**options["response_format"])
     return SamplingOptions(**options)
+
+
+def nth_choice(params: Union[GenerateParams, ChatParams], index: int):
+    """The params of choice `index` of a request asking for several (OpenAI's `n`): the
+    same, but a given seed becomes seed + index, so that the choices differ and each is
+    reproducible (choice i is the single request with seed + i)."""
+    seed = params.options.get("seed")
+    if seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, options={**params.options,
+                                                "seed": (seed + index) % SEED_LIMIT})
 
 
 def wire_tool_calls(calls) -> list:
