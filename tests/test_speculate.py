@@ -200,3 +200,12 @@ def test_a_request_may_turn_speculation_off(smollm2):
     c = e.generate(repeat, SamplingOptions(max_tokens=30))
     assert c.drafted_tokens > 0 and e.stats()["speculation"] == {
         "enabled": True, "drafted": c.drafted_tokens, "accepted": c.accepted_tokens}
+
+
+def test_a_huge_max_tokens_drafts_within_the_context(models):
+    """The drafter holds at most max_seq ids, whatever max_tokens a request asks for."""
+    model = models("qwen3_tied")
+    ids = _repeating_prompt(model.config.vocab, 40, seed=6)
+    c = Engine(model, max_seq=96, threads=1).generate(
+        ids, SamplingOptions(max_tokens=10**15, ignore_eos=True))
+    assert c.finish_reason == "length" and len(c.ids) == 96 - len(ids)

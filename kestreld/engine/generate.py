@@ -344,7 +344,7 @@ class Engine:
         drafter = None
         if self.speculate and opts.speculate:
             exclude = (vision.cfg.image_token_id,) if vision is not None else ()
-            drafter = Drafter(prompt.ids, len(prompt.ids) + opts.max_tokens, exclude)
+            drafter = Drafter(prompt.ids, self.kv.max_seq, exclude)   # the most ids a context has
         return Feeder(self.forward, drafter, delta)
 
     def _decode(self, prompt: Prompt, logits: np.ndarray, sampler: Sampler, feeder: Feeder,
