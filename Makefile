@@ -30,7 +30,15 @@ $(VENV)/.test-deps: $(VENV)/.deps
 
 venv: $(VENV)/.deps
 
+# The kernels, compiled in place when a source is newer than them. On a fresh clone .deps'
+# editable install has just compiled them (in a build directory of its own) and put them here:
+# a second make, started after .deps, sees that they are up to date and does not compile twice.
+KERNELS := kestreld/_kernels$(shell $(PYTHON) -c \
+	'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 build: $(VENV)/.deps
+	@$(MAKE) --no-print-directory $(KERNELS)
+
+$(KERNELS): setup.py $(wildcard pyx/*.pyx pyx/*.pxi pyx/*.h)
 	$(PY) setup.py -q build_ext --inplace -j 2
 
 debug: $(VENV)/.deps
