@@ -49,7 +49,7 @@ test: build $(VENV)/.test-deps
 
 # The package built for aarch64 (setup.py's flags, cross-compiled against an arm64 Debian root)
 # and the tests marked arm64 run as arm64 under qemu, on a CPU with the dot product (A76, the
-# RK3588's) and one without (A72): each takes its own build of the kernels. As root; README.
+# RK3588's) and one without (A72): each takes its own build of the kernels. As root; docs/development.md.
 ARM64 := scripts/arm64-env.sh
 ARM64_PYTEST := python -m pytest -q -p no:cacheprovider -m arm64 tests
 ARM64_CPUS ?= cortex-a76:neon-dotprod cortex-a72:neon
