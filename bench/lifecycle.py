@@ -1,4 +1,4 @@
-"""The design source's experiment in one command: the life cycle of the KV cache, on the real daemon.
+"""The life cycle of the KV cache in one command, on the real daemon (`make demo`).
 
     .venv/bin/python bench/lifecycle.py                  # `make demo`
     .venv/bin/python bench/lifecycle.py --json           # results as JSON on stdout
@@ -208,7 +208,7 @@ def _hit_cell(row: dict) -> str:
 
 
 def table(rows: list) -> str:
-    """The requests as a markdown table, like the design source's."""
+    """The requests as a markdown table."""
     head = ["request", "prompt tokens", "cached", "prefill tokens", "prefill time", "TTFT",
             "prefix hit", "RSS MiB", "pid"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -264,7 +264,7 @@ def report(res: dict) -> str:
                 f"{again['prompt_tokens']} prompt tokens from disk ({again['kv_disk']}); TTFT "
                 f"{again['ttft_ms'] / 1000:.3f} s against {cold['ttft_ms'] / 1000:.2f} s for the cold "
                 f"prefill of the same prompt: {cold['ttft_ms'] / max(again['ttft_ms'], 1e-3):.1f}x "
-                f"faster (design source: 13.1x)."]
+                f"faster (the founding design brief measured 13.1x)."]
         return "\n".join(out)
     out += ["", f"The KV cache lives and dies with the process: the follow-up reused "
             f"{hit['cached_tokens']} of its {hit['prompt_tokens']} prompt tokens, cutting TTFT "

@@ -130,7 +130,7 @@ def test_version_and_completion_need_no_daemon(tmp_path):
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_completion_in_a_real_shell(shell, tmp_path):
-    """The generated script, installed as the README says, completes at Tab in the shell."""
+    """The generated script, installed as docs/client.md says, completes at Tab in the shell."""
     if shutil.which(shell) is None:
         pytest.skip(f"{shell} is not installed")
     script = ctl("completion", shell).stdout
