@@ -135,6 +135,7 @@ def send(kc: Client, daemon: Daemon, name: str, method: str, opts: argparse.Name
             "kv_disk": disk_hit[0] if disk_hit else None,
             "cache_len_before": before["cache_len"], "cache_len_after": after["cache_len"],
             "rss_mb_before": before["rss_mb"], "rss_mb": after["rss_mb"],
+            "kv_memory_mb": after["kv_memory"].get("bytes", 0) / 2**20,
             "text": result.text}
 
 
