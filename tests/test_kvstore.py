@@ -229,3 +229,97 @@ def test_memory_first_then_disk(model, tmp_path):
     c = e.generate(ids_a, GREEDY)
     assert c.cached_source == "disk" and c.cached_tokens == len(ids_a) - 2
     e.close()
+
+
+# ---------------------------------------------------------------- the real daemon
+
+WIND = ("north", "north-east", "east", "south-east", "south", "south-west", "west", "north-west")
+
+
+def logbook(count, n_tokens: int, seed: int) -> str:
+    """A harbour logbook of about n_tokens tokens (`count`: the daemon's tokenizer)."""
+    lines, i = [], seed * 1000
+    while True:
+        i += 1
+        lines.append(f"Day {i % 365}: station {i % 17} recorded a tide of {i * 37 % 500} cm at "
+                     f"{i % 24:02d}:00, wind from the {WIND[i % 8]} at {i * 7 % 40} knots.")
+        if len(lines) % 10 == 0 and count("\n".join(lines)) >= n_tokens:
+            return "\n".join(lines)
+
+
+def task(kind: str, question: str, answer: str) -> list:
+    """An Open WebUI-style background request about a chat: its title or its tags."""
+    return [{"role": "user", "content": f"### Task:\nGenerate {kind} for the chat below.\n"
+             f"### Chat History:\n<chat_history>\nUSER: {question[-300:]}\n"
+             f"ASSISTANT: {answer}\n</chat_history>"}]
+
+
+def interleaved(kc, book_a: str, book_b: str) -> list:
+    """A ~1,400-token conversation, its title and tags requests, its follow-up; then two
+    conversations alternating. Returns each follow-up's result."""
+    opts = dict(max_tokens=12, temperature=0)
+    q = f"{book_a}\n\nWhich station saw the highest tide?"
+    a = [{"role": "user", "content": q}]
+    r = kc.chat(messages=a, **opts)
+    kc.chat(messages=task("a title", q, r.text), **opts)
+    kc.chat(messages=task("1-3 tags", q, r.text), **opts)
+    a += [{"role": "assistant", "content": r.text},
+          {"role": "user", "content": "And the lowest?"}]
+    out = [kc.chat(messages=a, **opts)]
+    b = [{"role": "user", "content": f"{book_b}\n\nWhen was the wind strongest?"}]
+    rb = kc.chat(messages=b, **opts)
+    hist = {"a": a + [{"role": "assistant", "content": out[0].text}],
+            "b": b + [{"role": "assistant", "content": rb.text}]}
+    for k in range(2):
+        for name in ("a", "b"):
+            msgs = hist[name] + [{"role": "user", "content": f"Say it again, {k + 1}."}]
+            out.append(kc.chat(messages=msgs, **opts))
+            hist[name] = msgs + [{"role": "assistant", "content": out[-1].text}]
+    return out
+
+
+def test_the_daemon_keeps_recent_conversations(tmp_path):
+    from daemon import Daemon
+    import httpx
+    from test_http import metrics
+    size = ("--max-seq", "2048")
+    with Daemon(tmp_path / "k.sock", *size, "--http", "127.0.0.1:0") as d:
+        with d.client() as kc:
+            count = lambda text: len(kc.tokenize(text))                        # noqa: E731
+            book_a, book_b = logbook(count, 1300, 1), logbook(count, 1000, 2)
+            hits = interleaved(kc, book_a, book_b)
+            st = kc.status()
+        with httpx.Client(base_url=d.http_url) as http:
+            m = metrics(http)
+        log = d.log()
+        d.stop()
+        d.start()                                   # a restart: the memory tier is gone
+        with d.client() as kc:
+            after = kc.chat(messages=[{"role": "user", "content":
+                                       f"{book_a}\n\nWhich station saw the highest tide?"}],
+                            max_tokens=4, temperature=0)
+            st_after = kc.status()["kv_memory"]
+    with Daemon(tmp_path / "c.sock", *size, "--kv-memory", "0") as cold:
+        with cold.client() as kc:
+            misses = interleaved(kc, book_a, book_b)
+            off = kc.status()["kv_memory"]
+    assert [h.text for h in hits] == [c.text for c in misses]           # the same answers
+    for h, c in zip(hits, misses):
+        u = h.usage
+        assert u["cached_source"] == "store", u
+        assert u["cached_tokens"] >= 0.9 * u["prompt_tokens"], u
+        assert c.usage["cached_tokens"] < 0.1 * c.usage["prompt_tokens"], c.usage   # tier off
+    assert hits[0].usage["prompt_tokens"] > 1400
+    mem = st["kv_memory"]
+    assert mem["enabled"] and mem["hits"] == len(hits) and 0 < mem["bytes"] <= mem["max_bytes"]
+    assert mem["entries"] >= 3 and st["disk_kv"] == {"enabled": False}
+    assert "source=store" in log and "[KV-STORE] hit keep=" in log
+    tier = frozenset({("tier", "memory")})
+    assert m[("kestrel_kv_store_hits_total", tier)] == len(hits)
+    # (the last answer's rows may have been copied out between status and the scrape)
+    assert mem["bytes"] <= m[("kestrel_kv_store_bytes", tier)] <= mem["max_bytes"]
+    assert m[("kestrel_kv_store_max_bytes", tier)] == mem["max_bytes"]
+    assert ("kestrel_kv_store_hits_total", frozenset({("tier", "disk")})) not in m
+    assert after.usage["cached_tokens"] == 0 and after.usage["cached_source"] is None
+    assert (st_after["hits"], st_after["misses"]) == (0, 1)
+    assert off == {"enabled": False}
