@@ -47,8 +47,8 @@ from .. import __version__
 from ..errors import StartupError
 from .kvcache import KVCache, KVLayout, RowBlock
 from .prefix import common_prefix_len
-from .snapshots import (MAX_CHAIN, Snapshot, SnapshotIndex, check_layout, copy_segment,
-                        restore_keep, segments)
+from .snapshots import (MAX_CHAIN, Snapshot, SnapshotIndex, check_layout, restore_keep,
+                        segments)
 
 log = logging.getLogger("kestreld.diskkv")
 
@@ -422,7 +422,8 @@ class DiskKV:
         src = RowBlock(*(np.frombuffer(mm, dtype, int(np.prod(shape)), o).reshape(shape)
                          for shape, dtype, o in zip(shapes, (np.int8, np.int8, np.float32,
                                                              np.float32), offsets)))
-        copy_segment(block, lo, src, h.base, a, b)
+        for dst, rows in zip(block, src.slice(a - h.base, b - h.base)):
+            dst[:, :, a - lo:b - lo] = rows
         return size          # the map goes with its last view (no close: views may outlive it)
 
     def _touch(self, chain: list) -> None:

@@ -80,6 +80,10 @@ class RowBlock(NamedTuple):
         return cls(*(np.empty(shape, dtype) for shape, dtype in
                      zip(layout.rows_shapes(n), (np.int8, np.int8, np.float32, np.float32))))
 
+    def slice(self, a: int, b: int) -> "RowBlock":
+        """Views of the block's rows [a, b)."""
+        return RowBlock(*(x[:, :, a:b] for x in self))
+
     @property
     def n(self) -> int:
         """Tokens in the block."""

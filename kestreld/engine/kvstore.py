@@ -30,9 +30,8 @@ from typing import Optional
 
 import numpy as np
 
-from .kvcache import KVCache, KVLayout, RowBlock
-from .snapshots import (Snapshot, SnapshotIndex, check_layout, copy_segment, restore_keep,
-                        segments)
+from .kvcache import KVCache, KVLayout
+from .snapshots import Snapshot, SnapshotIndex, check_layout, restore_keep, segments
 
 log = logging.getLogger("kestreld.kvstore")
 
@@ -81,17 +80,17 @@ class MemoryKV:
                 return False
             self._index.touch(chain, time.monotonic_ns())
         t0 = time.perf_counter()
-        block = RowBlock.empty(self.layout, keep - have)
-        for s, a, b in segments(chain, have, keep):
-            copy_segment(block, have, s.rows, s.base, a, b)
-        kv.restore(have, prompt[:keep].tolist(), block)
+        keys = prompt[:keep].tolist()
+        for s, a, b in reversed(list(segments(chain, have, keep))):   # oldest link first
+            kv.restore(a, keys[:b], s.rows.slice(a - s.base, b - s.base))
+        nbytes = self.layout.row_bytes() * (keep - have)
         with self._lock:
             self._counts["hits"] += 1
             self._counts["tokens_reused"] += keep - have
-            self._counts["bytes_copied_in"] += block.nbytes
+            self._counts["bytes_copied_in"] += nbytes
         log.info("[KV-STORE] hit keep=%d prompt=%d prefill=%d entry=%s (+%d parents) "
                  "copied=%.1f MB in %.0f ms", keep, len(prompt), len(prompt) - keep, best.name,
-                 len(chain) - 1, block.nbytes / 1e6, (time.perf_counter() - t0) * 1e3)
+                 len(chain) - 1, nbytes / 1e6, (time.perf_counter() - t0) * 1e3)
         return True
 
     def save(self, kv: KVCache) -> None:

@@ -58,12 +58,6 @@ def segments(chain: list, lo: int, hi: int) -> Iterator[tuple]:
             return
 
 
-def copy_segment(block: RowBlock, lo: int, src: RowBlock, base: int, a: int, b: int) -> None:
-    """Rows [a, b) of `src` (which holds rows from `base` on) into `block` (rows from `lo`)."""
-    for dst, s in zip(block, src):
-        dst[:, :, a - lo:b - lo] = s[:, :, a - base:b - base]
-
-
 class SnapshotIndex:
     """Snapshots by name; the caller holds its tier's lock."""
 
