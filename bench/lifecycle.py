@@ -17,6 +17,10 @@ the real socket and `kestrelctl.Client`:
 4. a restart (SIGTERM, exit, a fresh process), then the follow-up again (a miss: the cache
    died with the old process).
 
+The daemon runs with its default flags, so the KV store's memory tier (docs/kv-store.md)
+keeps R1's KV beside the arena: it dies with the process as the arena does.
+bench/interleaved.py shows what it is for: requests of other apps between two turns.
+
 With `--disk-kv` the daemons keep KV snapshots in the temporary directory: after the
 restart the follow-up is a disk hit (`[KV-DISK] hit`), and one more restart without the
 disk cache measures the cold prefill of the same prompt to compare its TTFT with.
@@ -201,6 +205,8 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict:
 def _hit_cell(row: dict) -> str:
     if row["kv_disk"]:
         return f"disk hit ({row['cached_tokens']} reused)"
+    if row["kv_prefix"].endswith("source=store"):
+        return f"KV store hit ({row['cached_tokens']} reused)"
     if row["hit"]:
         return f"hit ({row['cached_tokens']} reused)"
     if row["cache_len_before"] == 0:
