@@ -230,7 +230,7 @@ def _coerce(name: str, value: str):
         return int(value, 8)
     if kind == "tuple":
         return tuple(v.strip() for v in value.split(",") if v.strip())
-    if kind in ("int",):
+    if kind in ("int", "Optional[int]"):
         return int(value)
     if kind in ("bool",):
         if value.lower() in ("1", "true", "yes", "on"):
