@@ -42,7 +42,8 @@ from texts import island_guide, tide_gauge_manual  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="GGUF file or HF directory (default: SmolLM2-135M, as the tests)")
+    p.add_argument("--model", help="GGUF file or HF directory (default: SmolLM2-135M, "
+                   "as the tests)")
     p.add_argument("--threads", type=int, default=0, help="daemon threads (default: its default)")
     p.add_argument("--max-seq", type=int, default=8192, help="KV arena capacity (default 8192)")
     p.add_argument("--doc-tokens", type=int, default=1400, help="conversation A (default 1400)")

@@ -29,7 +29,8 @@ def common_prefix_len(a, b) -> int:
 def hit_line(keep: int, n_prompt: int, source: str) -> str:
     """The [KV-PREFIX] line of a request that kept `keep` tokens from `source`: "memory"
     (the arena), "store" (the KV store's memory tier) or "disk"."""
-    return f"[KV-PREFIX] hit keep={keep} prompt={n_prompt} prefill={n_prompt - keep} source={source}"
+    return (f"[KV-PREFIX] hit keep={keep} prompt={n_prompt} prefill={n_prompt - keep} "
+            f"source={source}")
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ class Config:
     image_dir: Optional[str] = None      # image paths in chat are read only from here (None: refused)
     disk_kv: Optional[str] = None        # directory of KV snapshots that outlive the process (None: off)
     disk_kv_max_bytes: int = 4 << 30     # the snapshots' total size; least recently used evicted
-    kv_memory: Optional[int] = None      # the KV store's memory tier in bytes (None: by RAM; 0: off)
+    kv_memory: Optional[int] = None      # the KV store's memory tier, bytes (None: by RAM; 0: off)
     http: tuple = ()                     # HTTP API listeners ("127.0.0.1:8080", "unix:PATH"); () off
     http_allow_remote: bool = False      # allow non-loopback HTTP addresses (and any Host header)
     http_api_key_file: Optional[str] = None  # the Bearer key the HTTP API then requires

@@ -7,8 +7,8 @@ Thread-safety rules:
   calls them through an executor.
 - Only the worker thread calls the engine's `run` (which builds the prompt, images
   included, and generates) and `store_kv` (which keeps the arena's new rows in the KV
-  store, after the answer was posted: off the request's critical path). Shared state (the queue, the running job, counters) is guarded
-  by `_lock`.
+  store, after the answer was posted: off the request's critical path). Shared state
+  (the queue, the running job, counters) is guarded by `_lock`.
 - A job's events are delivered on the loop thread: the worker posts them with
   `loop.call_soon_threadsafe(job.on_event, event)`; `on_event` never runs on the worker.
 - A job is stopped through its `stop` event, which the engine polls (`should_stop`)
