@@ -211,6 +211,24 @@ def test_interleaved_requests_hit_with_the_text_of_a_cold_run(model):
     assert turn(off, follow).cached_source is None
 
 
+def test_entries_are_never_matched_across_models_or_max_seq(model, zoo):
+    """Each engine has its own store, made for its model and arena: the same prompt in
+    another model's engine, or an arena of another max_seq, finds nothing."""
+    ids = prompt_ids(NAME, 100, seed=50)
+    e = engine(model)
+    c = turn(e, ids)
+    again = ids + c.ids + [5]
+    llama = engine(load_model(str(zoo.get("llama").gguf["q8_0"])))
+    shorter = engine(model, max_seq=256)
+    for other in (llama, shorter):
+        turn(other, prompt_ids(NAME, 30, seed=51))
+        hit = turn(other, again)
+        assert hit.cached_source is None and hit.cached_tokens == 0
+        with pytest.raises(ValueError, match="KV store made for"):
+            other.store.memory.restore(again, e.kv)
+    assert turn(e, again).cached_source == "memory"
+
+
 def test_memory_first_then_disk(model, tmp_path):
     """A short memory tier keeps the newest conversation; the disk the older one."""
     max_seq = 512
