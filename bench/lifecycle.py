@@ -17,6 +17,10 @@ the real socket and `kestrelctl.Client`:
 4. a restart (SIGTERM, exit, a fresh process), then the follow-up again (a miss: the cache
    died with the old process).
 
+The daemon runs with its default flags, so the KV store's memory tier (docs/kv-store.md)
+keeps R1's KV beside the arena: it dies with the process as the arena does.
+bench/interleaved.py shows what it is for: requests of other apps between two turns.
+
 With `--disk-kv` the daemons keep KV snapshots in the temporary directory: after the
 restart the follow-up is a disk hit (`[KV-DISK] hit`), and one more restart without the
 disk cache measures the cold prefill of the same prompt to compare its TTFT with.
@@ -135,6 +139,7 @@ def send(kc: Client, daemon: Daemon, name: str, method: str, opts: argparse.Name
             "kv_disk": disk_hit[0] if disk_hit else None,
             "cache_len_before": before["cache_len"], "cache_len_after": after["cache_len"],
             "rss_mb_before": before["rss_mb"], "rss_mb": after["rss_mb"],
+            "kv_memory_mb": after["kv_memory"].get("bytes", 0) / 2**20,
             "text": result.text}
 
 
@@ -200,6 +205,8 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict:
 def _hit_cell(row: dict) -> str:
     if row["kv_disk"]:
         return f"disk hit ({row['cached_tokens']} reused)"
+    if row["kv_prefix"].endswith("source=store"):
+        return f"KV store hit ({row['cached_tokens']} reused)"
     if row["hit"]:
         return f"hit ({row['cached_tokens']} reused)"
     if row["cache_len_before"] == 0:
