@@ -30,7 +30,7 @@ REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 # Methods: generate and chat generate text (and take the sampling options); the others are
 # answered at once (service/methods.py says where each runs).
 ENGINE_METHODS = ("generate", "chat")
-METHODS = ENGINE_METHODS + ("tokenize", "detokenize", "status", "cancel", "ping")
+METHODS = ENGINE_METHODS + ("embed", "tokenize", "detokenize", "status", "cancel", "ping")
 
 # Server -> client notifications.
 TOKEN = "token"
@@ -48,6 +48,8 @@ MAX_TOOL_CALLS = 64           # calls in one assistant message
 MAX_ID_CHARS = 256            # a tool call's id
 MAX_SCHEMA_DEPTH = 32         # nesting of a JSON schema (response_format, tool parameters)
 MAX_SCHEMA_NODES = 10_000     # values in one JSON schema
+MAX_EMBED_INPUTS = 2048       # inputs of one embed request (OpenAI's limit)
+MAX_EMBED_TOKENS = 1 << 17    # their tokens together
 PENALTY_LIMIT = 2.0           # presence / frequency penalties in [-2, 2], as OpenAI's
 # OpenAI's rule for function and response-format names
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -85,6 +87,16 @@ class ChatParams:
 
 
 @dataclass(frozen=True)
+class EmbedParams:
+    """`embed`: `inputs` each a text (str) or token ids (tuple); `dimensions`: the first d
+    values of each vector, renormalized; `truncate`: an input longer than the context keeps
+    its first tokens instead of an error."""
+    inputs: tuple
+    dimensions: Optional[int]
+    truncate: bool
+
+
+@dataclass(frozen=True)
 class TokenizeParams:
     text: str
     add_special: bool
@@ -105,8 +117,8 @@ class NoParams:
     """`status` and `ping`."""
 
 
-Params = Union[GenerateParams, ChatParams, TokenizeParams, DetokenizeParams, CancelParams,
-               NoParams]
+Params = Union[GenerateParams, ChatParams, EmbedParams, TokenizeParams, DetokenizeParams,
+               CancelParams, NoParams]
 
 
 # ---------------------------------------------------------------- value checks
@@ -176,6 +188,25 @@ def _ids(name: str, v, vocab_size: int) -> tuple:
             raise BadRequest(f"{name}: token ids must be integers in 0..{vocab_size - 1}, "
                              f"got {_QUOTE.repr(i)}")
     return tuple(v)
+
+
+def _embed_inputs(v, vocab_size: int) -> tuple:
+    """`input`: a text, a list of texts, a list of ids or a list of such lists -> a tuple of
+    texts (str) and id tuples."""
+    if isinstance(v, str):
+        return (v,)
+    if not isinstance(v, (list, tuple)) or not v:
+        raise BadRequest("input must be a string, a list of strings, a list of token ids or "
+                         f"a list of such lists (not empty), got {_QUOTE.repr(v)}")
+    if len(v) > MAX_EMBED_INPUTS and not _is_int(v[0]):
+        raise BadRequest(f"input holds {len(v)} inputs; at most {MAX_EMBED_INPUTS} per request")
+    if _is_int(v[0]):
+        return (_ids("input", v, vocab_size),)
+    if all(isinstance(x, str) for x in v):
+        return tuple(v)
+    if all(isinstance(x, (list, tuple)) for x in v):
+        return tuple(_ids(f"input[{i}]", x, vocab_size) for i, x in enumerate(v))
+    raise BadRequest("input: a list must hold only strings or only lists of token ids")
 
 
 def _messages(v) -> tuple:
@@ -445,6 +476,7 @@ OPTION_CHECKS = {
 _FIELDS = {  # method -> its own parameter names (besides the options of generate/chat)
     "generate": ("prompt", "ids", "stream"),
     "chat": ("messages", "enable_thinking", "split_reasoning", "tools", "tool_choice", "stream"),
+    "embed": ("input", "dimensions", "truncate"),
     "tokenize": ("text", "add_special"),
     "detokenize": ("ids",),
     "cancel": ("id",),
@@ -507,6 +539,13 @@ def validate_params(method: str, params, vocab_size: int,
                           options=_options(p), stream=_bool("stream", p.get("stream", True)),
                           split_reasoning=_bool("split_reasoning", p.get("split_reasoning", False)),
                           tools=tools, tool_choice=_tool_choice(p.get("tool_choice", "auto"), tools))
+    if method == "embed":
+        if "input" not in p:
+            raise BadRequest("embed needs input (a string, [string], [int] or [[int]])")
+        dims = p.get("dimensions")
+        return EmbedParams(_embed_inputs(p["input"], vocab_size),
+                           None if dims is None else _int("dimensions", dims, 1),
+                           _bool("truncate", p.get("truncate", False)))
     if method == "tokenize":
         if "text" not in p:
             raise BadRequest("tokenize needs text (str)")

@@ -5,8 +5,9 @@ in the same pass when speculation is on (exact: the same ids as without it).
 
 `Engine` holds what lives as long as the process: the model, its forward pass, the KV
 cache, the prefix counters and the disk KV. It is not thread-safe: exactly one thread (the
-scheduler's worker) calls `generate` / `run` / `forward_logits`; `stats()` may be read from
-any thread (it copies plain ints), and `prompt` / `tokenize` / `detokenize` touch no KV.
+scheduler's worker) calls `generate` / `embed` / `run` / `forward_logits`; `stats()` may be
+read from any thread (it copies plain ints), and `prompt` / `tokenize` / `detokenize` touch
+no KV.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..text.reasoning import ReasoningSplitter
 from ..text.tools import ToolCall, ToolCallParser
 from ..vision.prompt import ImageFigures
 from .constraint import Constraint, GrammarVocabulary, answer_grammar
+from .embed import Embedder, EmbedInput, Embeddings
 from .forward import Forward
 from .kvcache import KVCache
 from .prefix import PrefixCache
@@ -172,7 +174,8 @@ class Engine:
 
     def __init__(self, model, max_seq: int = 8192, threads: int = 1, prefix_kv: bool = True,
                  prefix_min: int = 16, kv_bs: int = 32, prefill_chunk: int = 256,
-                 disk_kv=None, image_dir: Optional[str] = None, speculate: bool = True):
+                 disk_kv=None, image_dir: Optional[str] = None, speculate: bool = True,
+                 pooling: Optional[str] = None):
         self.model = model
         self.tokenizer = model.tokenizer
         self.threads = threads
@@ -187,13 +190,17 @@ class Engine:
         self.drafted = 0            # tokens drafted and accepted, over the process' life
         self.accepted = 0
         self._grammar_vocab: Optional[GrammarVocabulary] = None   # at the first grammar
+        # embeddings: pooled as --pooling says, else as the file says ("": it does not embed)
+        self.embedder = Embedder(self.forward, self.prompts, pooling or model.config.pooling,
+                                 model.config.name, prefix_kv, prefill_chunk)
 
     @classmethod
     def from_config(cls, model, cfg, disk_kv=None) -> "Engine":
         """An engine sized by a kestreld Config."""
         return cls(model, max_seq=cfg.max_seq, threads=cfg.n_threads, prefix_kv=cfg.prefix_kv,
                    prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk,
-                   disk_kv=disk_kv, image_dir=cfg.image_dir, speculate=cfg.speculate)
+                   disk_kv=disk_kv, image_dir=cfg.image_dir, speculate=cfg.speculate,
+                   pooling=cfg.pooling)
 
     # ---- text (any thread) ----------------------------------------------------------
     def prompt(self, request: Request) -> Prompt:
@@ -217,10 +224,17 @@ class Engine:
             self.disk_kv.close()
 
     # ---- the engine thread ------------------------------------------------------------
-    def run(self, request: Request, opts: SamplingOptions, **callbacks) -> Completion:
+    def run(self, request: Union[Request, EmbedInput], opts: Optional[SamplingOptions],
+            **callbacks) -> Union[Completion, Embeddings]:
         """`generate` on the prompt of a request (built here, on the engine thread: images
-        are decoded and encoded by the one thread that owns the engine)."""
+        are decoded and encoded by the one thread that owns the engine), or `embed`."""
+        if isinstance(request, EmbedInput):
+            return self.embed(request, callbacks.get("should_stop"))
         return self.generate(self.prompt(request), opts, **callbacks)
+
+    def embed(self, request: EmbedInput, should_stop: Optional[StopFn] = None) -> Embeddings:
+        """One unit vector per input (engine/embed.py); the KV cache is as before after it."""
+        return self.embedder.run(request, should_stop)
 
     def forward_logits(self, ids, start_pos: int = 0, vision=None) -> np.ndarray:
         """Logits (n, vocab) for every token of `ids` placed at start_pos.. (tests,

@@ -18,7 +18,7 @@ from gguf import GGUFEndian, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField
 
 from ..errors import ModelLoadError
-from .config import ModelConfig
+from .config import GGUF_POOLING, ModelConfig
 from .weights import Q8_BLOCK, Q8_BLOCK_BYTES, Matrix, QType, computes_on
 from .quant import SUPPORTED_TYPES, dequantize_gguf, gguf_to_q8_0
 from ..text.tokenizer import Tokenizer
@@ -277,7 +277,16 @@ class GGUFSource(GGUFFile):
             n_params=sum(int(t.n_elements) for t in self._reader.tensors),
             **(self._moe_hyperparameters(arch, n_layers, ffn) if moe else {}),
             mrope_section=self._mrope_section(arch) if arch == "qwen3vl" else (),
+            pooling=self._pooling(arch),
         )
+
+    def _pooling(self, arch: str) -> str:
+        """`{arch}.pooling_type` as a POOLINGS name ("" when absent or NONE)."""
+        kind = int(self.meta(f"{arch}.pooling_type", 0))
+        if kind not in GGUF_POOLING:
+            raise ValueError(f"{arch}.pooling_type {kind} is none of llama.cpp's "
+                             f"{sorted(GGUF_POOLING)}")
+        return GGUF_POOLING[kind]
 
     def _mrope_section(self, arch: str) -> tuple:
         """Qwen3-VL's M-RoPE sections (t, h, w): llama.cpp's converter writes them as

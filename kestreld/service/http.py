@@ -35,6 +35,7 @@ from ..errors import (BadRequest, KestrelError, Loading, MethodNotAllowed, NotFo
                       internal)
 from .config import Config, HttpAddress
 from .methods import Methods, completion_result, token_payload
+from .embeddings import PATHS as EMBED_PATHS, EmbeddingRoutes
 from .metrics import CONTENT_TYPE, Metrics
 from .openai import (CHAT_PATH, COMPLETIONS_PATH, Answer, Translated, chat_request,
                      completion_request, error_body, model, models)
@@ -45,7 +46,7 @@ log = logging.getLogger("kestreld.service.http")
 
 HTTP_CONN_ID = 0              # the scheduler's conn_id of HTTP jobs (RPC connections count from 1)
 SHUTDOWN_TIMEOUT_S = 2.0      # after the scheduler is drained: time for the last answers to go out
-PATHS = (CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health", "/metrics")
+PATHS = (CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health", "/metrics") + EMBED_PATHS
 CORS_HEADERS = "Authorization, Content-Type"
 
 
@@ -103,6 +104,7 @@ class HttpApi:
                               middlewares=[self._middleware])
         app.router.add_post(CHAT_PATH, self._chat)
         app.router.add_post(COMPLETIONS_PATH, self._completions)
+        EmbeddingRoutes(self, HTTP_CONN_ID, _json).add_to(app)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model_id}", self._model)
         app.router.add_get("/health", self._health)

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..engine.embed import Embeddings
 from .scheduler import Done, Event, Job
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -102,6 +103,13 @@ class Metrics:
             self.requests.labels(job.transport, job.endpoint, final.error.code).inc()
             return
         c = final.completion
+        if isinstance(c, Embeddings):
+            self.requests.labels(job.transport, job.endpoint, "embedded").inc()
+            self.prompt_tokens.inc(c.prompt_tokens)
+            self.cached_tokens.inc(c.cached_tokens)
+            self.prefill_tokens.inc(c.prompt_tokens - c.cached_tokens)
+            self.prefill_seconds.observe(c.total_ms / 1000.0)
+            return
         self.requests.labels(job.transport, job.endpoint, c.finish_reason).inc()
         self.prompt_tokens.inc(c.prompt_tokens)
         self.cached_tokens.inc(c.cached_tokens)
