@@ -93,8 +93,8 @@ def test_four_bit_within_its_own_error(model):
     got = engine(model.gguf["q4_0"]).embed(EmbedInput(TEXTS)).vectors
     for text, v in zip(TEXTS, got):
         ids = hf_ids(model, text)
-        exact = unit(reference.forward(model.weights, model.config, ids, hidden=True)[-1])
-        same = unit(reference.forward(held, model.config, ids, hidden=True)[-1])
+        exact = unit(reference.forward(model.weights, model.config, ids, normed_rows=True)[-1])
+        same = unit(reference.forward(held, model.config, ids, normed_rows=True)[-1])
         own, ours = np.linalg.norm(same - exact), np.linalg.norm(unit(v) - exact)
         print(f"Q4_0 {len(ids)} tokens: distance {ours:.4f}, the type's own {own:.4f}")
         assert ours <= own + 0.005

@@ -21,8 +21,9 @@ from .weights import Q8_BLOCK, Q8_BLOCK_BYTES, Matrix, QType
 from .quant import bf16_to_f32, float_to_q8_0
 from ..text.tokenizer import Tokenizer
 
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3Model": "qwen3", "LlamaForCausalLM": "llama",
-                 "Qwen3MoeForCausalLM": "qwen3moe", "Qwen3VLForConditionalGeneration": "qwen3vl"}
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                 "Qwen3MoeForCausalLM": "qwen3moe", "Qwen3VLForConditionalGeneration": "qwen3vl",
+                 "Qwen3Model": "qwen3"}     # Qwen3-Embedding saved by sentence-transformers
 # A config saved from a bare config object (no model) has no `architectures`: its model_type
 MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
