@@ -125,8 +125,9 @@ def main(argv=None) -> int:
             order.reverse()
         rate = {name: (statistics.median(n / r[0] for r in rs),
                        statistics.median(r[1] / r[0] for r in rs)) for name, rs in runs.items()}
+        ratio = (rate["kestrel"][1] / rate["llama.cpp"][1] if "llama.cpp" in rate
+                 else float("nan"))
         for name, (ips, tps) in rate.items():
-            ratio = rate["kestrel"][1] / rate["llama.cpp"][1] if "llama.cpp" in rate else float("nan")
             rows.append(f"| {n} | {lo}..{hi} | {name} | {fmt(ips, 2)} | {fmt(tps)} | "
                         f"{fmt(ratio, 2) if name == 'kestrel' else ''} |")
         print(f"{n} texts done", file=sys.stderr)

@@ -154,5 +154,6 @@ def test_request_mapping():
     result = {"embeddings": [[0.5, -0.25]], "usage": {"prompt_tokens": 3, "cached_tokens": 0}}
     r = routes.openai_response(result, "base64", "m")
     assert r["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
-    assert np.frombuffer(base64.b64decode(r["data"][0]["embedding"]), "<f4").tolist() == [0.5, -0.25]
+    decoded = np.frombuffer(base64.b64decode(r["data"][0]["embedding"]), "<f4")
+    assert decoded.tolist() == [0.5, -0.25]
     assert routes.ollama_response(result, "m", 0.5)["total_duration"] == 500_000_000

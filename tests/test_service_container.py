@@ -103,8 +103,9 @@ def box(tmp_path_factory):
             "ListenStream": f"ListenStream=127.0.0.1:{HTTP_PORT}"}),
         "kestreld.conf": _test_config(),
         # Presets would enable every unit with an [Install] section on this first boot.
-        "preset": "disable kestreld.service\ndisable kestreld.socket\ndisable kestreld-http.socket\n"
-                  "disable kestreld@.service\ndisable kestreld@.socket\ndisable kestreld-http@.socket\n",
+        "preset": "".join(f"disable {unit}\n" for unit in (
+            "kestreld.service", "kestreld.socket", "kestreld-http.socket", "kestreld@.service",
+            "kestreld@.socket", "kestreld-http@.socket")),
         # Stands in for install-service.sh's `groupadd --system kestrel`.
         "sysusers.conf": "g kestrel -\n",
     }

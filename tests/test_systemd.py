@@ -159,8 +159,9 @@ def test_instance_units_are_the_plain_units_but_for_the_instance():
         "Description": "Description=Kestrel LLM inference daemon %i socket",
         "ListenStream": "ListenStream=/run/kestrel/%i.sock"})
     http = _settings((UNITS / "kestreld-http@.socket").read_text())
-    for line in ("ListenStream=/run/kestrel/%i.http.sock", f"FileDescriptorName={systemd.HTTP_FDNAME}",
-                 "Service=kestreld@%i.service", "IPAddressAllow=localhost", "IPAddressDeny=any"):
+    for line in ("ListenStream=/run/kestrel/%i.http.sock",
+                 f"FileDescriptorName={systemd.HTTP_FDNAME}", "Service=kestreld@%i.service",
+                 "IPAddressAllow=localhost", "IPAddressDeny=any"):
         assert line in http, line
     for script in ("install-service.sh", "uninstall-service.sh"):
         text = (CHECKOUT / "scripts" / script).read_text()

@@ -141,7 +141,8 @@ class HFSource:
         self.keepalive = []  # every weight is converted (a copy): the file maps can close
         self._tensors = self._open_weights()
         # Qwen3-Embedding (saved from Qwen3Model by sentence-transformers): no "model." prefix
-        bare = "embed_tokens.weight" in self._tensors and TENSOR_NAMES["tok_embd"] not in self._tensors
+        bare = ("embed_tokens.weight" in self._tensors
+                and TENSOR_NAMES["tok_embd"] not in self._tensors)
         self._text_prefix = VL_TEXT_PREFIX if _is_vl(hf) else "" if bare else "model."
         self.pooling = _read_pooling(path)
         self.config = self._read_config(hf)

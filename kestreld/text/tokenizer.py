@@ -203,7 +203,8 @@ class Tokenizer:
         control = [i for i, t in enumerate(types) if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_UNUSED)]
         eos_id = get("tokenizer.ggml.eos_token_id")
         # llama.cpp's converter records a post-processor that appends EOS as add_eos_token
-        suffix = (eos_id,) if get("tokenizer.ggml.add_eos_token", False) and eos_id is not None else ()
+        add_eos = get("tokenizer.ggml.add_eos_token", False)
+        suffix = (eos_id,) if add_eos and eos_id is not None else ()
         return cls(tok, _token_bytes_table(vocab, added), bos_id, eos_id, eog, bool(add_bos),
                    control, suffix)
 
