@@ -157,3 +157,11 @@ def test_request_mapping():
     decoded = np.frombuffer(base64.b64decode(r["data"][0]["embedding"]), "<f4")
     assert decoded.tolist() == [0.5, -0.25]
     assert routes.ollama_response(result, "m", 0.5)["total_duration"] == 500_000_000
+
+
+def test_status_and_show_say_how_the_model_pools(daemon):
+    with daemon.client() as c:
+        assert c.status()["model"]["pooling"] == "last"
+    out = subprocess.run([sys.executable, "-m", "kestrelctl", "--socket", daemon.socket, "show"],
+                         cwd=REPO, env=daemon_env(), capture_output=True, text=True, timeout=120)
+    assert "yes (last pooling)" in out.stdout, out.stdout + out.stderr
