@@ -30,7 +30,8 @@ REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 # Methods: generate and chat generate text (and take the sampling options); the others are
 # answered at once (service/methods.py says where each runs).
 ENGINE_METHODS = ("generate", "chat")
-METHODS = ENGINE_METHODS + ("embed", "tokenize", "detokenize", "status", "cancel", "ping")
+METHODS = ENGINE_METHODS + ("embed", "rerank", "tokenize", "detokenize", "status", "cancel",
+                            "ping")
 
 # Server -> client notifications.
 TOKEN = "token"
@@ -97,6 +98,15 @@ class EmbedParams:
 
 
 @dataclass(frozen=True)
+class RerankParams:
+    """`rerank`: `documents` (texts) scored against `query`; `top_n`: how many of the best
+    the answer lists (None: all)."""
+    query: str
+    documents: tuple
+    top_n: Optional[int]
+
+
+@dataclass(frozen=True)
 class TokenizeParams:
     text: str
     add_special: bool
@@ -117,8 +127,8 @@ class NoParams:
     """`status` and `ping`."""
 
 
-Params = Union[GenerateParams, ChatParams, EmbedParams, TokenizeParams, DetokenizeParams,
-               CancelParams, NoParams]
+Params = Union[GenerateParams, ChatParams, EmbedParams, RerankParams, TokenizeParams,
+               DetokenizeParams, CancelParams, NoParams]
 
 
 # ---------------------------------------------------------------- value checks
@@ -477,6 +487,7 @@ _FIELDS = {  # method -> its own parameter names (besides the options of generat
     "generate": ("prompt", "ids", "stream"),
     "chat": ("messages", "enable_thinking", "split_reasoning", "tools", "tool_choice", "stream"),
     "embed": ("input", "dimensions", "truncate"),
+    "rerank": ("query", "documents", "top_n"),
     "tokenize": ("text", "add_special"),
     "detokenize": ("ids",),
     "cancel": ("id",),
@@ -546,6 +557,18 @@ def validate_params(method: str, params, vocab_size: int,
         return EmbedParams(_embed_inputs(p["input"], vocab_size),
                            None if dims is None else _int("dimensions", dims, 1),
                            _bool("truncate", p.get("truncate", False)))
+    if method == "rerank":
+        docs = p.get("documents")
+        if "query" not in p or not isinstance(docs, list) or not docs \
+                or not all(isinstance(d, str) for d in docs):
+            raise BadRequest("rerank needs query (str) and documents (a list of strings, not "
+                             "empty)")
+        if len(docs) > MAX_EMBED_INPUTS:
+            raise BadRequest(f"documents holds {len(docs)}; at most {MAX_EMBED_INPUTS} per "
+                             "request")
+        top_n = p.get("top_n")
+        return RerankParams(_str("query", p["query"]), tuple(docs),
+                            None if top_n is None else _int("top_n", top_n, 1))
     if method == "tokenize":
         if "text" not in p:
             raise BadRequest("tokenize needs text (str)")

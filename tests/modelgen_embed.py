@@ -7,7 +7,13 @@
 - GGUF: llama.cpp's converter's layout (tests/modelgen.py) without output.weight, with
   `qwen3.pooling_type` = LAST (3), add_eos_token and EOS = <|endoftext|>.
 
-Run `python tests/modelgen_embed.py OUT_DIR` to write it for manual use.
+`generate_reranker` writes a Qwen3-Reranker-style model the way llama.cpp's converter does:
+a GGUF with `qwen3.pooling_type` = RANK, `cls.output.weight` (the output matrix's rows of the
+two answer tokens, "yes" first) and `tokenizer.chat_template.rerank`; and its plain HF dir
+(Qwen3ForCausalLM, for transformers). The generated tokenizer has no "yes" / "no" tokens:
+two of its ordinary tokens stand in (RERANK_TOKENS).
+
+Run `python tests/modelgen_embed.py OUT_DIR` to write them for manual use.
 """
 from __future__ import annotations
 
@@ -59,6 +65,31 @@ def _embedding_metadata(w: gguf.GGUFWriter) -> None:
     w.add_add_eos_token(True)
 
 
+RERANK_SPEC = replace(SPEC, name="qwen3_rerank", seed=22)
+RERANK_TOKENS = (300, 301)          # ids standing for "yes", "no"
+RERANK_TEMPLATE = ("<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+                   "<|im_start|>assistant\n")
+
+
+def generate_reranker(out_root: Path) -> GeneratedModel:
+    """Write the reranker under out_root/qwen3_rerank/ (HF dir `hf/`, `model-q8_0.gguf`)."""
+    spec = RERANK_SPEC
+    root = Path(out_root) / spec.name
+    weights = modelgen.make_weights(spec)
+    tok = modelgen.build_tokenizer(spec)
+    cfg = modelgen.write_hf_dir(spec, weights, tok, root / "hf")
+    model = GeneratedModel(spec, cfg, weights, tok, root / "hf")
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_string("tokenizer.chat_template.rerank", RERANK_TEMPLATE)
+    head = weights["model.embed_tokens.weight"][list(RERANK_TOKENS)]
+    model.gguf["q8_0"] = root / "model-q8_0.gguf"
+    modelgen.write_gguf(spec, weights, tok, model.gguf["q8_0"], "q8_0", extra=metadata,
+                        extra_tensors={"cls.output.weight": head})
+    return model
+
+
 def generate(out_root: Path, tensor_types=("q8_0",)) -> GeneratedModel:
     """Write the model under out_root/qwen3_embed/ (HF dir `hf/`, `model-<type>.gguf`)."""
     root = Path(out_root) / SPEC.name
@@ -79,3 +110,5 @@ if __name__ == "__main__":
         sys.exit("usage: python tests/modelgen_embed.py OUT_DIR")
     m = generate(Path(sys.argv[1]), tensor_types=("f32", "q8_0", "q4_0"))
     print(m.hf_dir, *m.gguf.values())
+    r = generate_reranker(Path(sys.argv[1]))
+    print(r.hf_dir, *r.gguf.values())

@@ -165,3 +165,29 @@ def test_status_and_show_say_how_the_model_pools(daemon):
     out = subprocess.run([sys.executable, "-m", "kestrelctl", "--socket", daemon.socket, "show"],
                          cwd=REPO, env=daemon_env(), capture_output=True, text=True, timeout=120)
     assert "yes (last pooling)" in out.stdout, out.stdout + out.stderr
+
+
+def test_rerank_through_rpc_and_http(tmp_path):
+    """A Qwen3-Reranker-style GGUF served: POST /v1/rerank (and /rerank) in llama.cpp's and
+    Jina's shape, and the RPC method rerank, give the same ranking."""
+    model = modelgen_embed.generate_reranker(tmp_path)
+    query, docs = "Where does the kestrel nest?", TEXTS + ["Kestrels nest in old buildings."]
+    with Daemon(tmp_path / "k.sock", "--http", "127.0.0.1:0",
+                model=str(model.gguf["q8_0"])) as d:
+        mid = model_id(str(model.gguf["q8_0"]))
+        with d.client() as c:
+            rpc = c.rerank(query, docs)
+        with httpx.Client(base_url=d.http_url, timeout=120) as http:
+            r = http.post("/v1/rerank", json={"model": mid, "query": query, "documents": docs,
+                                              "top_n": 2}).json()
+            jina = http.post("/rerank", json={"query": query,
+                                              "documents": [{"text": t} for t in docs]}).json()
+            bad = http.post("/v1/rerank", json={"query": query, "documents": []})
+            embed = http.post("/v1/embeddings", json={"input": "a"})
+    scores = [x["relevance_score"] for x in rpc["results"]]
+    assert sorted(x["index"] for x in rpc["results"]) == [0, 1, 2]
+    assert scores == sorted(scores, reverse=True) and all(0 < s < 1 for s in scores)
+    assert r["results"] == rpc["results"][:2] and jina["results"] == rpc["results"]
+    assert r["usage"]["prompt_tokens"] == rpc["usage"]["prompt_tokens"] > 0
+    assert bad.status_code == 400 and "documents" in bad.json()["error"]["message"]
+    assert embed.status_code == 400 and "a reranker" in embed.json()["error"]["message"]

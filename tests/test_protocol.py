@@ -9,7 +9,7 @@ import pytest
 from kestreld.engine.sampler import SamplingOptions
 from kestreld.errors import BadRequest, TooLarge, UnknownMethod
 from kestreld.protocol import (MAX_EMBED_INPUTS, ChatParams, EmbedParams, FrameError,
-                               FrameReader, GenerateParams, NoParams,
+                               FrameReader, GenerateParams, NoParams, RerankParams,
                                Notification, Request, Response,
                                decode_message, encode_notification, encode_request,
                                encode_response, msgid_of, validate_params)
@@ -107,6 +107,19 @@ def test_embed_input_forms_and_limits():
                       ({"input": "a", "temperature": 0}, "unknown parameter")):
         with pytest.raises(BadRequest, match=needle):
             embed(**p)
+
+
+def test_rerank_params():
+    p = validate_params("rerank", [{"query": "q", "documents": ["a", "b"], "top_n": 1}], VOCAB)
+    assert p == RerankParams("q", ("a", "b"), 1)
+    assert validate_params("rerank", [{"query": "q", "documents": ["a"]}], VOCAB).top_n is None
+    for p, needle in (({"documents": ["a"]}, "needs query"),
+                      ({"query": "q", "documents": []}, "not empty"),
+                      ({"query": "q", "documents": [1]}, "list of strings"),
+                      ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+                      ({"query": "q", "documents": ["a"] * (MAX_EMBED_INPUTS + 1)}, "at most")):
+        with pytest.raises(BadRequest, match=needle):
+            validate_params("rerank", [p], VOCAB)
 
 
 # ---------------------------------------------------------------- messages

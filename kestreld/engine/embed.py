@@ -121,55 +121,61 @@ class Embedder:
             raise BadRequest(f"dimensions must be in 1..{self.hidden} (the model's width), "
                              f"got {request.dimensions}")
         inputs = self.ids_of(request)
-        before = self.kv.keys
-        vectors, cached = [], 0
-        if before and before != self._left:     # another request's KV: a conversation's
-            keep = min(common_prefix_len(ids, before) for ids in inputs)
-            longest = 1 if self.pooling == "cls" else max(len(ids) for ids in inputs)
-            hi = min(len(before), longest)
-            saved = self.kv.copy_rows(keep, hi) if keep < hi else None
-            try:
-                vectors, cached = self._vectors(inputs, request.dimensions, should_stop)
-            finally:
-                self._put_back(before, keep, saved)
-        else:                                   # empty, or this embedder's: left for reuse
-            vectors, cached = self._vectors(inputs, request.dimensions, should_stop)
-            self._left = self.kv.keys
+        rows, cached = self.pooled_rows(inputs, self.pooling, should_stop)
+        vectors = [normalized(v) for v in rows]
+        if request.dimensions is not None:
+            vectors = [normalized(v[:request.dimensions]) for v in vectors]
         return Embeddings(vectors, sum(len(ids) for ids in inputs), cached,
                           (time.perf_counter() - t0) * 1e3)
 
-    def _vectors(self, inputs: list, dimensions: Optional[int], should_stop) -> tuple:
-        """(each input's unit vector, tokens of KV reused)."""
-        vectors, cached = [], 0
-        for ids in inputs:
-            v, reused = self._pooled(ids, should_stop)
-            cached += reused
-            v = normalized(v)
-            vectors.append(v if dimensions is None else normalized(v[:dimensions]))
-        return vectors, cached
+    def pooled_rows(self, inputs: list, pooling: str, should_stop=None) -> tuple:
+        """(each input's pooled row after the output norm, float64; tokens of KV reused).
+        The arena's valid rows and keys are as before afterwards when they were another
+        request's; empty, or what the last call left, they become the last input's."""
+        before = self.kv.keys
+        if not before or before == self._left:
+            out = self._each_pooled(inputs, pooling, should_stop)
+            self._left = self.kv.keys
+            return out
+        keep = min(common_prefix_len(ids, before) for ids in inputs)
+        longest = 1 if pooling == "cls" else max(len(ids) for ids in inputs)
+        hi = min(len(before), longest)
+        saved = self.kv.copy_rows(keep, hi) if keep < hi else None
+        try:
+            return self._each_pooled(inputs, pooling, should_stop)
+        finally:
+            self._put_back(before, keep, saved)
 
-    def _pooled(self, ids: list, should_stop) -> tuple:
+    def _each_pooled(self, inputs: list, pooling: str, should_stop) -> tuple:
+        rows, cached = [], 0
+        for ids in inputs:
+            v, reused = self._pooled(ids, pooling, should_stop)
+            rows.append(v)
+            cached += reused
+        return rows, cached
+
+    def _pooled(self, ids: list, pooling: str, should_stop) -> tuple:
         """(the input's pooled row, float64; tokens of KV reused)."""
         kv, fwd = self.kv, self.forward
-        if self.pooling == "cls":
+        if pooling == "cls":
             kv.truncate(0)
             return fwd(ids[:1], hidden_out=self._rows[:1])[0].astype(np.float64), 0
         keep = 0
-        if self.pooling == "last" and self.prefix_kv:
+        if pooling == "last" and self.prefix_kv:
             keep = min(common_prefix_len(ids, kv.keys), len(ids) - 1)
         kv.truncate(keep)
         total = np.zeros(self.hidden, np.float64)
         pos = keep
         while pos < len(ids):
             if should_stop is not None and should_stop():
-                raise Cancelled("the embed request was cancelled")
+                raise Cancelled("the request was cancelled")
             n = min(self.chunk, len(ids) - pos)
-            rows = self._rows[:n] if self.pooling == "mean" else self._rows[:1]
+            rows = self._rows[:n] if pooling == "mean" else self._rows[:1]
             fwd(ids[pos:pos + n], hidden_out=rows)
-            if self.pooling == "mean":
+            if pooling == "mean":
                 total += rows.sum(axis=0, dtype=np.float64)
             pos += n
-        pooled = total / len(ids) if self.pooling == "mean" else self._rows[0].astype(np.float64)
+        pooled = total / len(ids) if pooling == "mean" else self._rows[0].astype(np.float64)
         return pooled, keep
 
     def _put_back(self, before: tuple, keep: int, saved) -> None:

@@ -23,6 +23,7 @@ from ..text.tools import ToolCall, ToolCallParser
 from ..vision.prompt import ImageFigures
 from .constraint import Constraint, GrammarVocabulary, answer_grammar
 from .embed import Embedder, EmbedInput, Embeddings
+from .rerank import Ranking, Reranker, RerankInput
 from .forward import Forward
 from .kvcache import KVCache
 from .prefix import PrefixCache
@@ -193,6 +194,7 @@ class Engine:
         # embeddings: pooled as --pooling says, else as the file says ("": it does not embed)
         self.embedder = Embedder(self.forward, self.prompts, pooling or model.config.pooling,
                                  model.config.name, prefix_kv, prefill_chunk)
+        self.reranker = Reranker(self.embedder, model, pooling or model.config.pooling)
 
     @classmethod
     def from_config(cls, model, cfg, disk_kv=None) -> "Engine":
@@ -224,12 +226,14 @@ class Engine:
             self.disk_kv.close()
 
     # ---- the engine thread ------------------------------------------------------------
-    def run(self, request: Union[Request, EmbedInput], opts: Optional[SamplingOptions],
-            **callbacks) -> Union[Completion, Embeddings]:
+    def run(self, request: Union[Request, EmbedInput, RerankInput],
+            opts: Optional[SamplingOptions], **callbacks) -> Union[Completion, Embeddings, Ranking]:
         """`generate` on the prompt of a request (built here, on the engine thread: images
-        are decoded and encoded by the one thread that owns the engine), or `embed`."""
+        are decoded and encoded by the one thread that owns the engine), `embed` or `rerank`."""
         if isinstance(request, EmbedInput):
             return self.embed(request, callbacks.get("should_stop"))
+        if isinstance(request, RerankInput):
+            return self.reranker.run(request, callbacks.get("should_stop"))
         return self.generate(self.prompt(request), opts, **callbacks)
 
     def embed(self, request: EmbedInput, should_stop: Optional[StopFn] = None) -> Embeddings:

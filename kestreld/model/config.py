@@ -7,7 +7,8 @@ from dataclasses import dataclass
 # numbers, as GGUF files hold them in `<arch>.pooling_type` (0 NONE: a generative model;
 # 4 RANK: a reranker's classifier head, which is not computed here).
 POOLINGS = ("last", "mean", "cls")
-GGUF_POOLING = {0: "", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+RANK = "rank"                 # a reranker's pooling (engine/rerank.py)
+GGUF_POOLING = {0: "", 1: "mean", 2: "cls", 3: "last", 4: RANK}
 
 
 @dataclass(frozen=True)

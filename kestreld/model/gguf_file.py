@@ -233,6 +233,11 @@ class GGUFSource(GGUFFile):
             raise ModelLoadError(f"{path}: bad tokenizer metadata: {type(e).__name__}: {e}") from None
         self.chat_template = self.meta("tokenizer.chat_template", None)
         self.chat_template_source = "gguf" if self.chat_template else None
+        # llama.cpp's reranker conversion: the prompt ({query}, {document}) and the head
+        self.rerank_template = self.meta("tokenizer.chat_template.rerank", None)
+        self.rank_head = (self.tensor_f32(RANK_HEAD, (2, self.config.hidden))
+                          if self.config.pooling == "rank" and RANK_HEAD in self._tensors
+                          else None)
         self.source_dtype = self._dominant_type()
         self.keepalive = [self._reader]  # the memory map the in-place matrices point into
 
@@ -366,6 +371,10 @@ class GGUFSource(GGUFFile):
     def vector(self, role: str, layer: Optional[int], n: int) -> np.ndarray:
         """The float32 (n,) vector for `role` (a norm weight; a copy, independent of the map)."""
         return self.tensor_f32(self.name(role, layer), (n,))
+
+
+# llama.cpp's reranker head: the output matrix's rows of "yes" and "no", in that order
+RANK_HEAD = "cls.output.weight"
 
 
 def _is_router(name: str) -> bool:

@@ -145,6 +145,7 @@ class HFSource:
                 and TENSOR_NAMES["tok_embd"] not in self._tensors)
         self._text_prefix = VL_TEXT_PREFIX if _is_vl(hf) else "" if bare else "model."
         self.pooling = _read_pooling(path)
+        self.rerank_template = self.rank_head = None    # GGUF only (llama.cpp's conversion)
         self.config = self._read_config(hf)
         self.tokenizer = Tokenizer.from_hf_dir(path)
         self.chat_template, self.chat_template_source = self._read_chat_template()

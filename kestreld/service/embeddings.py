@@ -1,9 +1,10 @@
-"""The HTTP embedding routes: OpenAI's `POST /v1/embeddings` and Ollama's `POST /api/embed`.
+"""The HTTP embedding routes: OpenAI's `POST /v1/embeddings`, Ollama's `POST /api/embed`,
+and reranking, `POST /v1/rerank` (also `/rerank`) in the shape of llama.cpp's server and Jina.
 
-Both are thin mappings onto the RPC method `embed` (service/methods.py): the body becomes
-its params map, `Methods.validate` and `Methods.submit` take it from there, and its result
-map (`embeddings`, `usage`, `timings`) becomes the route's shape. The vectors are the same
-float32 values on every route: JSON numbers print them exactly, base64 holds their bytes.
+Each is a thin mapping onto an RPC method, `embed` or `rerank` (service/methods.py): the body
+becomes its params map, `Methods.validate` and `Methods.submit` take it from there, and its
+result map becomes the route's shape. The vectors are the same float32 values on every
+route: JSON numbers print them exactly, base64 holds their bytes.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from .scheduler import Done, Failed
 
 OPENAI_PATH = "/v1/embeddings"
 OLLAMA_PATH = "/api/embed"
-PATHS = (OPENAI_PATH, OLLAMA_PATH)
+RERANK_PATHS = ("/v1/rerank", "/rerank")
+PATHS = (OPENAI_PATH, OLLAMA_PATH) + RERANK_PATHS
 ENCODINGS = ("float", "base64")
 
 
@@ -83,6 +85,28 @@ def ollama_params(body, model_id: str) -> dict:
     return params
 
 
+def rerank_params(body, model_id: str) -> dict:
+    """A rerank body (llama.cpp's, Jina's: `query`, `documents` as strings or {"text"}
+    objects, `top_n`) -> the RPC `rerank` params."""
+    body = _object(body)
+    _check_model(body, model_id)
+    docs = body.get("documents")
+    if isinstance(docs, list):
+        docs = [d["text"] if isinstance(d, dict) and isinstance(d.get("text"), str) else d
+                for d in docs]
+    params = {"query": body.get("query"), "documents": docs}
+    if body.get("top_n") is not None:
+        params["top_n"] = body["top_n"]
+    return params
+
+
+def rerank_response(result: dict, model_id: str) -> dict:
+    """The RPC result map as llama.cpp's / Jina's rerank answer."""
+    tokens = result["usage"]["prompt_tokens"]
+    return {"object": "list", "model": model_id, "results": result["results"],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
 def ollama_response(result: dict, model_id: str, total_s: float) -> dict:
     """The RPC result map in Ollama's shape (durations in nanoseconds)."""
     return {"model": model_id, "embeddings": result["embeddings"],
@@ -102,6 +126,8 @@ class EmbeddingRoutes:
     def add_to(self, app: web.Application) -> None:
         app.router.add_post(OPENAI_PATH, self.openai)
         app.router.add_post(OLLAMA_PATH, self.ollama)
+        for path in RERANK_PATHS:
+            app.router.add_post(path, self.rerank)
 
     async def openai(self, request: web.Request) -> web.Response:
         params, fmt = openai_params(await self.read_json(request), self.api.model_id)
@@ -115,11 +141,16 @@ class EmbeddingRoutes:
         return web.json_response(ollama_response(result, self.api.model_id,
                                                  time.monotonic() - t0))
 
-    async def _embed(self, request: web.Request, params: dict) -> dict:
-        """Validate and submit the `embed` params; the result map once the engine is done
-        (the job withdrawn if the client goes away first)."""
+    async def rerank(self, request: web.Request) -> web.Response:
+        params = rerank_params(await self.read_json(request), self.api.model_id)
+        result = await self._embed(request, params, "rerank")
+        return web.json_response(rerank_response(result, self.api.model_id))
+
+    async def _embed(self, request: web.Request, params: dict, method: str = "embed") -> dict:
+        """Validate and submit the `embed` (or `rerank`) params; the result map once the
+        engine is done (the job withdrawn if the client goes away first)."""
         methods = self.api._serving()
-        valid = methods.validate("embed", params)
+        valid = methods.validate(method, params)
         events: asyncio.Queue = asyncio.Queue()
         self.api._next_msgid += 1
         job = methods.submit(self.conn_id, self.api._next_msgid, valid, events.put_nowait,

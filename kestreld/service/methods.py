@@ -7,7 +7,7 @@ into a method name and params, then calls:
     params = methods.validate(method, raw)             typed params (protocol.py) or an error
     methods.kind(method)                               where it runs:
       JOB    generate, chat,    `submit`: a scheduler Job; the engine thread runs it and its
-             embed              events (tokens, progress, the completion) come back
+             embed, rerank      events (tokens, progress, the completion) come back
       ASIDE  tokenize,          `aside`: a pure function of the params, run off the event
              detokenize         loop (tokenizing megabytes must not stall it)
       NOW    status, ping,      `now`: answered on the event loop at once
@@ -25,17 +25,18 @@ import os
 from typing import Callable, Union
 
 from ..engine.embed import EmbedInput, Embeddings
+from ..engine.rerank import Ranking, RerankInput
 from ..engine.generate import Completion, TokenEvent
 from ..engine.prompt import ChatInput, Request, TextInput
 from ..engine.sampler import ResponseFormat, SamplingOptions
 from ..protocol import (ChatParams, DetokenizeParams, EmbedParams, GenerateParams, Params,
-                        TokenizeParams, CancelParams, validate_params)
+                        RerankParams, TokenizeParams, CancelParams, validate_params)
 from .scheduler import Done, Event, Job, Scheduler
 from .status import StatusReporter
 
 JOB, ASIDE, NOW = "job", "aside", "now"
-KINDS = {"generate": JOB, "chat": JOB, "embed": JOB, "tokenize": ASIDE, "detokenize": ASIDE,
-         "status": NOW, "ping": NOW, "cancel": NOW}
+KINDS = {"generate": JOB, "chat": JOB, "embed": JOB, "rerank": JOB, "tokenize": ASIDE,
+         "detokenize": ASIDE, "status": NOW, "ping": NOW, "cancel": NOW}
 
 
 def engine_request(params: Union[GenerateParams, ChatParams]) -> Request:
@@ -88,10 +89,20 @@ def embeddings_result(e: Embeddings, queue_ms: float) -> dict:
             "timings": {"queue_ms": round(queue_ms, 3), "total_ms": round(e.total_ms, 3)}}
 
 
+def ranking_result(r: Ranking, queue_ms: float) -> dict:
+    """The wire map of a rerank request's result: the top_n best documents, best first."""
+    return {"results": [{"index": i, "relevance_score": s} for i, s in r.best()],
+            "usage": {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens},
+            "timings": {"queue_ms": round(queue_ms, 3), "total_ms": round(r.total_ms, 3)}}
+
+
 def job_result(done: Done) -> dict:
-    """The result map of a finished job: a completion (generate, chat) or embeddings."""
+    """The result map of a finished job: a completion (generate, chat), embeddings or a
+    ranking."""
     if isinstance(done.completion, Embeddings):
         return embeddings_result(done.completion, done.queue_ms)
+    if isinstance(done.completion, Ranking):
+        return ranking_result(done.completion, done.queue_ms)
     return completion_result(done.completion, done.queue_ms, done.ttft_ms)
 
 
@@ -132,16 +143,19 @@ class Methods:
         return validate_params(method, raw, self.engine.vocab_size, self.engine.kv.max_seq)
 
     def submit(self, conn_id: int, msgid: int,
-               params: Union[GenerateParams, ChatParams, EmbedParams],
+               params: Union[GenerateParams, ChatParams, EmbedParams, RerankParams],
                on_event: Callable[[Event], None], transport: str = "rpc",
                endpoint: str = "") -> Job:
-        """Queue a generate / chat / embed request (QueueFull, ShuttingDown otherwise); every
-        transport submits through here. `transport` and `endpoint` label its metrics."""
-        if isinstance(params, EmbedParams):
-            job = Job(conn_id=conn_id, msgid=msgid,
-                      request=EmbedInput(params.inputs, params.dimensions, params.truncate),
-                      options=None, stream=False, on_event=on_event, transport=transport,
-                      endpoint=endpoint or "embed")
+        """Queue a generate / chat / embed / rerank request (QueueFull, ShuttingDown
+        otherwise); every transport submits through here. `transport` and `endpoint` label
+        its metrics."""
+        if isinstance(params, (EmbedParams, RerankParams)):
+            embed = isinstance(params, EmbedParams)
+            request = (EmbedInput(params.inputs, params.dimensions, params.truncate) if embed
+                       else RerankInput(params.query, params.documents, params.top_n))
+            job = Job(conn_id=conn_id, msgid=msgid, request=request, options=None,
+                      stream=False, on_event=on_event, transport=transport,
+                      endpoint=endpoint or ("embed" if embed else "rerank"))
             self.scheduler.submit(job)
             return job
         method = "chat" if isinstance(params, ChatParams) else "generate"

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..engine.embed import Embeddings
+from ..engine.rerank import Ranking
 from .scheduler import Done, Event, Job
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -103,8 +104,8 @@ class Metrics:
             self.requests.labels(job.transport, job.endpoint, final.error.code).inc()
             return
         c = final.completion
-        if isinstance(c, Embeddings):
-            self.requests.labels(job.transport, job.endpoint, "embedded").inc()
+        if isinstance(c, (Embeddings, Ranking)):
+            self.requests.labels(job.transport, job.endpoint, "done").inc()
             self.prompt_tokens.inc(c.prompt_tokens)
             self.cached_tokens.inc(c.cached_tokens)
             self.prefill_tokens.inc(c.prompt_tokens - c.cached_tokens)

@@ -28,6 +28,7 @@ from typing import Callable, Optional, Union
 
 from ..engine.embed import EmbedInput, Embeddings
 from ..engine.generate import Completion, TokenEvent
+from ..engine.rerank import Ranking, RerankInput
 from ..engine.prompt import Request
 from ..engine.sampler import SamplingOptions
 from ..errors import Cancelled, KestrelError, QueueFull, ShuttingDown, internal
@@ -53,7 +54,7 @@ class Progress:
 
 @dataclass
 class Done:
-    completion: Union[Completion, Embeddings]
+    completion: Union[Completion, Embeddings, Ranking]
     queue_ms: float
     ttft_ms: float             # from arrival to the first token
 
@@ -71,8 +72,8 @@ class Job:
     """One generate/chat request on its way through the queue and the engine."""
     conn_id: int
     msgid: int
-    request: Union[Request, EmbedInput]
-    options: Optional[SamplingOptions]         # None: an embed request
+    request: Union[Request, EmbedInput, RerankInput]
+    options: Optional[SamplingOptions]         # None: an embed or rerank request
     stream: bool                               # post a Token event per piece of text
     on_event: Callable[[Event], None]          # runs on the loop thread
     transport: str = "rpc"                     # "rpc" | "http" (metrics, log)
@@ -82,10 +83,13 @@ class Job:
     ahead: int = 0                             # jobs before this one when it was queued
 
 
-def request_log_line(job: Job, c: Union[Completion, Embeddings], queue_ms: float) -> str:
+def request_log_line(job: Job, c: Union[Completion, Embeddings, Ranking],
+                     queue_ms: float) -> str:
     """The one log line of a finished request (counts and times, never prompt text)."""
-    if isinstance(c, Embeddings):
-        return (f"embed conn={job.conn_id} msgid={job.msgid} inputs={len(c.vectors)} "
+    if isinstance(c, (Embeddings, Ranking)):
+        what, n = (("embed", len(c.vectors)) if isinstance(c, Embeddings)
+                   else ("rerank", len(c.scores)))
+        return (f"{what} conn={job.conn_id} msgid={job.msgid} inputs={n} "
                 f"prompt={c.prompt_tokens} cached={c.cached_tokens} queue={queue_ms:.0f}ms "
                 f"total={c.total_ms:.0f}ms")
     decode_s = c.decode_ms / 1000.0
