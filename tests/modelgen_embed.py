@@ -67,8 +67,8 @@ def _embedding_metadata(w: gguf.GGUFWriter) -> None:
 
 RERANK_SPEC = replace(SPEC, name="qwen3_rerank", seed=22)
 RERANK_TOKENS = (300, 301)          # ids standing for "yes", "no"
-RERANK_TEMPLATE = ("<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
-                   "<|im_start|>assistant\n")
+# no special tokens: llama-cpp-python's `embed` tokenizes them as text (tests compare with it)
+RERANK_TEMPLATE = "<Query>: {query}\n<Document>: {document}\nRelevant:"
 
 
 def generate_reranker(out_root: Path) -> GeneratedModel:
@@ -82,6 +82,7 @@ def generate_reranker(out_root: Path) -> GeneratedModel:
 
     def metadata(w: gguf.GGUFWriter) -> None:
         w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["yes", "no"])
         w.add_string("tokenizer.chat_template.rerank", RERANK_TEMPLATE)
     head = weights["model.embed_tokens.weight"][list(RERANK_TOKENS)]
     model.gguf["q8_0"] = root / "model-q8_0.gguf"

@@ -100,6 +100,18 @@ def test_four_bit_within_its_own_error(model):
         assert ours <= own + 0.005
 
 
+def test_the_same_vector_as_llama_cpp_on_the_same_file(model):
+    """llama.cpp with embedding=True and the file's pooling (last, EOS appended)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(model.gguf["q8_0"]), embedding=True, n_ctx=512,
+                          n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
+    got = engine(model.gguf["q8_0"]).embed(EmbedInput(TEXTS)).vectors
+    for text, v in zip(TEXTS, got):
+        theirs, count = llm.embed(text, normalize=True, return_count=True)
+        assert count == len(hf_ids(model, text))           # the same tokens, EOS included
+        assert cosine(v, theirs) >= 0.999
+
+
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_pooling_option_mean_and_cls(model, qwen3model, pooling):
     e = engine(model.gguf["q8_0"], pooling=pooling)

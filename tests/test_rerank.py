@@ -62,6 +62,20 @@ def test_scores_match_transformers(model, want):
         e.embed(EmbedInput(("a",)))
 
 
+def test_scores_match_llama_cpp_on_the_same_file(model):
+    """llama.cpp reads the file as a reranker the same way: its first output (the "yes" row
+    of cls.output.weight, softmaxed against "no") is our score."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(model.gguf["q8_0"]), embedding=True, n_ctx=512,
+                          n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
+    e = Engine(load_model(str(model.gguf["q8_0"])), max_seq=512, threads=2)
+    ours = e.reranker.run(RerankInput(QUERY, DOCS)).scores
+    for doc, score in zip(DOCS, ours):
+        text = modelgen_embed.RERANK_TEMPLATE.format(query=QUERY, document=doc)
+        theirs = np.asarray(llm.embed(text, normalize=False)).ravel()[:2]
+        assert abs(theirs.sum() - 1) < 1e-5 and abs(theirs[0] - score) < 0.02, (theirs, score)
+
+
 def test_a_model_that_does_not_rerank_says_why(zoo):
     path = zoo.get("qwen3_tied").gguf["q8_0"]
     with pytest.raises(NotEmbeddingModel, match="no reranker"):
