@@ -131,22 +131,22 @@ class EmbeddingRoutes:
 
     async def openai(self, request: web.Request) -> web.Response:
         params, fmt = openai_params(await self.read_json(request), self.api.model_id)
-        result = await self._embed(request, params)
+        result = await self._run(request, params)
         return web.json_response(openai_response(result, fmt, self.api.model_id))
 
     async def ollama(self, request: web.Request) -> web.Response:
         t0 = time.monotonic()
         params = ollama_params(await self.read_json(request), self.api.model_id)
-        result = await self._embed(request, params)
+        result = await self._run(request, params)
         return web.json_response(ollama_response(result, self.api.model_id,
                                                  time.monotonic() - t0))
 
     async def rerank(self, request: web.Request) -> web.Response:
         params = rerank_params(await self.read_json(request), self.api.model_id)
-        result = await self._embed(request, params, "rerank")
+        result = await self._run(request, params, "rerank")
         return web.json_response(rerank_response(result, self.api.model_id))
 
-    async def _embed(self, request: web.Request, params: dict, method: str = "embed") -> dict:
+    async def _run(self, request: web.Request, params: dict, method: str = "embed") -> dict:
         """Validate and submit the `embed` (or `rerank`) params; the result map once the
         engine is done (the job withdrawn if the client goes away first)."""
         methods = self.api._serving()
