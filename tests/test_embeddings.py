@@ -1,9 +1,10 @@
 """End-to-end: embeddings from the real kestreld serving the generated Qwen3 embedding GGUF
 (tests/modelgen_embed.py), through the RPC method `embed` (kestrelctl's Client and the
 `kestrelctl embed` command), OpenAI's POST /v1/embeddings (the unmodified openai SDK, which
-asks for base64, and httpx for float) and Ollama's POST /api/embed (httpx): the same float32
-vector on every route, matching transformers' Qwen3Model. Also the request mapping of
-service/embeddings.py, and a chat model's refusal."""
+asks for base64, and httpx for float) and Ollama's POST /api/embed (httpx and the unmodified
+ollama client): the same float32 vector on every route, matching transformers' Qwen3Model.
+Also the request mapping of service/embeddings.py, a chat model's refusal, and reranking
+(POST /v1/rerank, the RPC method rerank) with a generated reranker."""
 from __future__ import annotations
 
 import base64
@@ -13,6 +14,7 @@ import sys
 
 import httpx
 import numpy as np
+import ollama
 import openai
 import pytest
 
@@ -86,6 +88,11 @@ def test_every_route_gives_the_same_vector(daemon, model, want):
     assert o["total_duration"] > 0
     assert [np.asarray(e, np.float32).tolist() for e in o["embeddings"]] == \
         [v.tolist() for v in vectors]
+    # the unmodified ollama client on the same route
+    r = ollama.Client(host=daemon.http_url, timeout=120).embed(model=daemon.model_id, input=TEXTS)
+    assert [np.asarray(e, np.float32).tolist() for e in r.embeddings] == \
+        [v.tolist() for v in vectors]
+    assert r.prompt_eval_count == tokens
 
 
 def test_dimensions_and_ids_through_the_routes(daemon, model):
