@@ -9,6 +9,8 @@
                                         context, chat template, file, KV arena
     kestrelctl embed TEXT... [--dimensions D]   one JSON line per TEXT (or stdin's lines):
                                         {"index", "text", "embedding"}
+    kestrelctl rerank QUERY DOC... [--top-n N]  one JSON line per document, best first:
+                                        {"index", "relevance_score", "document"}
     kestrelctl status [--json] | tokenize [TEXT] | ping
     kestrelctl completion bash|zsh      a shell completion script (README: how to install)
     kestrelctl --version
@@ -113,6 +115,13 @@ def cmd_embed(client: Client, args) -> int:
     return 0
 
 
+def cmd_rerank(client: Client, args) -> int:
+    r = client.rerank(args.query, args.documents, top_n=args.top_n)
+    for x in r["results"]:
+        print(json.dumps({**x, "document": args.documents[x["index"]]}, ensure_ascii=False))
+    return 0
+
+
 def cmd_ping(client: Client, args) -> int:
     r = client.ping()
     print(f"ok (pid {r['pid']})")
@@ -184,6 +193,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--truncate", action="store_true",
                    help="cut a text longer than the context instead of an error")
     e.set_defaults(run=cmd_embed)
+    r = sub.add_parser("rerank", help="score each DOC against QUERY with a reranker, best first")
+    r.add_argument("query")
+    r.add_argument("documents", nargs="+", metavar="DOC")
+    r.add_argument("--top-n", type=int, help="list only the N best")
+    r.set_defaults(run=cmd_rerank)
     sub.add_parser("ping", help="is the daemon there?").set_defaults(run=cmd_ping)
     k = sub.add_parser("completion", help="print a completion script for bash or zsh")
     k.add_argument("shell", choices=("bash", "zsh"))

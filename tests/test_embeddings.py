@@ -191,10 +191,16 @@ def test_rerank_through_rpc_and_http(tmp_path):
                                               "documents": [{"text": t} for t in docs]}).json()
             bad = http.post("/v1/rerank", json={"query": query, "documents": []})
             embed = http.post("/v1/embeddings", json={"input": "a"})
+        out = subprocess.run([sys.executable, "-m", "kestrelctl", "--socket", d.socket, "rerank",
+                              query, *docs, "--top-n", "2"], cwd=REPO, env=daemon_env(),
+                             capture_output=True, text=True, timeout=120)
     scores = [x["relevance_score"] for x in rpc["results"]]
     assert sorted(x["index"] for x in rpc["results"]) == [0, 1, 2]
     assert scores == sorted(scores, reverse=True) and all(0 < s < 1 for s in scores)
     assert r["results"] == rpc["results"][:2] and jina["results"] == rpc["results"]
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [{k: x[k] for k in ("index", "relevance_score")} for x in lines] == r["results"]
+    assert [x["document"] for x in lines] == [docs[x["index"]] for x in r["results"]]
     assert r["usage"]["prompt_tokens"] == rpc["usage"]["prompt_tokens"] > 0
     assert bad.status_code == 400 and "documents" in bad.json()["error"]["message"]
     assert embed.status_code == 400 and "a reranker" in embed.json()["error"]["message"]
