@@ -36,6 +36,8 @@ QWEN3_0_6B = dict(n_layers=28, hidden=1024, n_heads=16, n_kv_heads=8, head_dim=1
                   vocab=151936, rope_theta=1e6, norm_eps=1e-6, context_length=40960)
 # A small Qwen3-MoE: Qwen3-30B-A3B's head_dim (128) and routing (top-8), with 64 experts of
 # 384 at hidden 1024, 16 layers, 4 query heads per KV head; ffn is metadata only.
+# Qwen3-Embedding-0.6B: Qwen3-0.6B's shapes, no output matrix, last-token pooling
+QWEN3_EMBEDDING_0_6B = dict(QWEN3_0_6B, pooling=3)
 QWEN3MOE_SMALL = dict(n_layers=16, hidden=1024, n_heads=16, n_kv_heads=4, head_dim=128,
                       ffn=3072, vocab=151936, rope_theta=1e6, norm_eps=1e-6,
                       context_length=40960, n_experts=64, n_experts_used=8, expert_ffn=384)
@@ -194,7 +196,10 @@ def write_qwen3_shaped_gguf(path: str, shapes: dict = QWEN3_0_6B, seed: int = 0,
     w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_array("tokenizer.ggml.token_type", types)
     w.add_array("tokenizer.ggml.merges", merges)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 151645)
+    if "pooling" in s:     # an embedding model: llama.cpp's pooling, EOS appended to a text
+        w.add_uint32(f"{arch}.pooling_type", s["pooling"])
+        w.add_bool("tokenizer.ggml.add_eos_token", True)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 151643 if "pooling" in s else 151645)
     w.add_uint32("tokenizer.ggml.padding_token_id", 151643)
     w.add_uint32("tokenizer.ggml.bos_token_id", 151643)
     w.add_bool("tokenizer.ggml.add_bos_token", False)
@@ -226,7 +231,7 @@ def write_qwen3_shaped_gguf(path: str, shapes: dict = QWEN3_0_6B, seed: int = 0,
 
 
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3moe": QWEN3MOE_SMALL, "qwen3-1.7b": QWEN3_1_7B,
-          "qwen3-30b-a3b": QWEN3_30B_A3B}
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-embedding-0.6b": QWEN3_EMBEDDING_0_6B}
 
 
 def qwen3_shaped_q8_0_path(cache_dir: str) -> str:

@@ -7,6 +7,10 @@
                                         one turn with -m; images go with the first message
     kestrelctl show [--json]            the loaded model: architecture, size, weight types,
                                         context, chat template, file, KV arena
+    kestrelctl embed TEXT... [--dimensions D]   one JSON line per TEXT (or stdin's lines):
+                                        {"index", "text", "embedding"}
+    kestrelctl rerank QUERY DOC... [--top-n N]  one JSON line per document, best first:
+                                        {"index", "relevance_score", "document"}
     kestrelctl status [--json] | tokenize [TEXT] | ping
     kestrelctl completion bash|zsh      a shell completion script (docs/client.md: how to install)
     kestrelctl --version
@@ -100,6 +104,24 @@ def cmd_tokenize(client: Client, args) -> int:
     return 0
 
 
+def cmd_embed(client: Client, args) -> int:
+    texts = args.text or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        print("kestrelctl: embed: no text (give TEXT... or lines on stdin)", file=sys.stderr)
+        return EXIT_STATUS["bad_request"]
+    r = client.embed(texts, dimensions=args.dimensions, truncate=args.truncate)
+    for i, (text, vector) in enumerate(zip(texts, r["embeddings"])):
+        print(json.dumps({"index": i, "text": text, "embedding": vector}, ensure_ascii=False))
+    return 0
+
+
+def cmd_rerank(client: Client, args) -> int:
+    r = client.rerank(args.query, args.documents, top_n=args.top_n)
+    for x in r["results"]:
+        print(json.dumps({**x, "document": args.documents[x["index"]]}, ensure_ascii=False))
+    return 0
+
+
 def cmd_ping(client: Client, args) -> int:
     r = client.ping()
     print(f"ok (pid {r['pid']})")
@@ -164,6 +186,18 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--add-special", action="store_true", help="add BOS etc. as the model does")
     t.add_argument("--json", action="store_true", help="print a JSON list")
     t.set_defaults(run=cmd_tokenize)
+    e = sub.add_parser("embed", help="the embedding of each TEXT (or of each line of stdin), "
+                                     "one JSON line each")
+    e.add_argument("text", nargs="*")
+    e.add_argument("--dimensions", type=int, help="keep the first D values (renormalized)")
+    e.add_argument("--truncate", action="store_true",
+                   help="cut a text longer than the context instead of an error")
+    e.set_defaults(run=cmd_embed)
+    r = sub.add_parser("rerank", help="score each DOC against QUERY with a reranker, best first")
+    r.add_argument("query")
+    r.add_argument("documents", nargs="+", metavar="DOC")
+    r.add_argument("--top-n", type=int, help="list only the N best")
+    r.set_defaults(run=cmd_rerank)
     sub.add_parser("ping", help="is the daemon there?").set_defaults(run=cmd_ping)
     k = sub.add_parser("completion", help="print a completion script for bash or zsh")
     k.add_argument("shell", choices=("bash", "zsh"))

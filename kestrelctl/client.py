@@ -230,6 +230,21 @@ class Client:
         """Like chat, as an iterator of Token (and Progress if asked) then the Result."""
         return Stream(self, "chat", {"messages": messages, **opts, "stream": True}, progress)
 
+    def embed(self, inputs, dimensions: Optional[int] = None, truncate: bool = False) -> dict:
+        """The `embed` result map of `inputs` (a text, [text], [id] or [[id]]): embeddings,
+        usage, timings."""
+        params = {"input": inputs, "truncate": truncate}
+        if dimensions is not None:
+            params["dimensions"] = dimensions
+        return self.call("embed", params)
+
+    def rerank(self, query: str, documents: list, top_n: Optional[int] = None) -> dict:
+        """The `rerank` result map: `results` [{"index", "relevance_score"}], best first."""
+        params = {"query": query, "documents": list(documents)}
+        if top_n is not None:
+            params["top_n"] = top_n
+        return self.call("rerank", params)
+
     def tokenize(self, text: str, add_special: bool = False) -> list:
         return self.call("tokenize", {"text": text, "add_special": add_special})["ids"]
 

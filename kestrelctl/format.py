@@ -108,6 +108,8 @@ def format_show(s: dict) -> str:
         ("weight types", weight_shares(m["weight_types"]) + held),
         ("chat template", m["chat_template_source"]),
         ("vision", "yes (images with /image or --image)" if m["vision"] else "no"),
+        ("embeddings", "no (a reranker)" if m.get("pooling") == "rank"
+         else f"yes ({m['pooling']} pooling)" if m.get("pooling") else "no"),
         ("file", m["path"] + size),
         ("kv arena", f"{human_bytes(s['kv_arena_bytes'])}: {s['max_seq']} tokens x "
                      f"{m['n_layers']} layers x {s['kv_bytes_per_token_layer']} B "

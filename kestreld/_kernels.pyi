@@ -24,12 +24,13 @@ class Forward:
     def __init__(self, config: ModelConfig, weights: ModelWeights, kv: KVCache, max_chunk: int,
                  nthreads: int) -> None: ...
     def run(self, tokens: np.ndarray, pos0: int, rope_cos: np.ndarray, rope_sin: np.ndarray,
-            logits: np.ndarray, vis_rows: Optional[np.ndarray] = None,
+            logits: Optional[np.ndarray], vis_rows: Optional[np.ndarray] = None,
             vis_embd: Optional[np.ndarray] = None, deep: Optional[np.ndarray] = None,
-            routing: Optional[np.ndarray] = None) -> None:
+            routing: Optional[np.ndarray] = None, hidden: Optional[np.ndarray] = None) -> None:
         """tokens int32 (n,) at KV rows pos0..; rope_cos/sin (n, hd/2); logits (1 | n, vocab)
         out; vis_rows int32 (r,), vis_embd (r, hidden), deep (d, r, hidden); routing int32
-        (MoE layers, n, top-k) out."""
+        (MoE layers, n, top-k) out; hidden (1 | n, hidden) out: the rows after the output
+        norm instead of logits (embeddings)."""
 
 # ---- products and quantization (matmul.pxi, ks_weights.h, ks_q8.h) --------------------------
 

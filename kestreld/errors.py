@@ -70,6 +70,12 @@ class PermissionDenied(KestrelError, code="permission_denied", http_status=403, 
     """A path outside --image-dir, or a socket the client may not open."""
 
 
+class NotEmbeddingModel(KestrelError, code="not_embedding_model", http_status=400,
+                        exit_status=12):
+    """Embeddings asked of a model whose file names no pooling (a chat model), and the
+    daemon was not started with --pooling."""
+
+
 class InternalError(KestrelError, code="internal", http_status=500, exit_status=10):
     """A bug: anything unexpected that escapes while serving a request."""
 

@@ -30,7 +30,8 @@ REQUEST, RESPONSE, NOTIFICATION = 0, 1, 2
 # Methods: generate and chat generate text (and take the sampling options); the others are
 # answered at once (service/methods.py says where each runs).
 ENGINE_METHODS = ("generate", "chat")
-METHODS = ENGINE_METHODS + ("tokenize", "detokenize", "status", "cancel", "ping")
+METHODS = ENGINE_METHODS + ("embed", "rerank", "tokenize", "detokenize", "status", "cancel",
+                            "ping")
 
 # Server -> client notifications.
 TOKEN = "token"
@@ -48,6 +49,8 @@ MAX_TOOL_CALLS = 64           # calls in one assistant message
 MAX_ID_CHARS = 256            # a tool call's id
 MAX_SCHEMA_DEPTH = 32         # nesting of a JSON schema (response_format, tool parameters)
 MAX_SCHEMA_NODES = 10_000     # values in one JSON schema
+MAX_EMBED_INPUTS = 2048       # inputs of one embed request (OpenAI's limit)
+MAX_EMBED_TOKENS = 1 << 17    # their tokens together
 PENALTY_LIMIT = 2.0           # presence / frequency penalties in [-2, 2], as OpenAI's
 BIAS_LIMIT = 100.0            # logit_bias values in [-100, 100], as OpenAI's; -100 bans
 MAX_BIASED = 1024             # token ids in one logit_bias map
@@ -89,6 +92,25 @@ class ChatParams:
 
 
 @dataclass(frozen=True)
+class EmbedParams:
+    """`embed`: `inputs` each a text (str) or token ids (tuple); `dimensions`: the first d
+    values of each vector, renormalized; `truncate`: an input longer than the context keeps
+    its first tokens instead of an error."""
+    inputs: tuple
+    dimensions: Optional[int]
+    truncate: bool
+
+
+@dataclass(frozen=True)
+class RerankParams:
+    """`rerank`: `documents` (texts) scored against `query`; `top_n`: how many of the best
+    the answer lists (None: all)."""
+    query: str
+    documents: tuple
+    top_n: Optional[int]
+
+
+@dataclass(frozen=True)
 class TokenizeParams:
     text: str
     add_special: bool
@@ -109,8 +131,8 @@ class NoParams:
     """`status` and `ping`."""
 
 
-Params = Union[GenerateParams, ChatParams, TokenizeParams, DetokenizeParams, CancelParams,
-               NoParams]
+Params = Union[GenerateParams, ChatParams, EmbedParams, RerankParams, TokenizeParams,
+               DetokenizeParams, CancelParams, NoParams]
 
 
 # ---------------------------------------------------------------- value checks
@@ -180,6 +202,25 @@ def _ids(name: str, v, vocab_size: int) -> tuple:
             raise BadRequest(f"{name}: token ids must be integers in 0..{vocab_size - 1}, "
                              f"got {_QUOTE.repr(i)}")
     return tuple(v)
+
+
+def _embed_inputs(v, vocab_size: int) -> tuple:
+    """`input`: a text, a list of texts, a list of ids or a list of such lists -> a tuple of
+    texts (str) and id tuples."""
+    if isinstance(v, str):
+        return (v,)
+    if not isinstance(v, (list, tuple)) or not v:
+        raise BadRequest("input must be a string, a list of strings, a list of token ids or "
+                         f"a list of such lists (not empty), got {_QUOTE.repr(v)}")
+    if len(v) > MAX_EMBED_INPUTS and not _is_int(v[0]):
+        raise BadRequest(f"input holds {len(v)} inputs; at most {MAX_EMBED_INPUTS} per request")
+    if _is_int(v[0]):
+        return (_ids("input", v, vocab_size),)
+    if all(isinstance(x, str) for x in v):
+        return tuple(v)
+    if all(isinstance(x, (list, tuple)) for x in v):
+        return tuple(_ids(f"input[{i}]", x, vocab_size) for i, x in enumerate(v))
+    raise BadRequest("input: a list must hold only strings or only lists of token ids")
 
 
 def _messages(v) -> tuple:
@@ -460,6 +501,8 @@ _FIELDS = {  # method -> its own parameter names (besides the options of generat
     "generate": ("prompt", "ids", "stream"),
     "chat": ("messages", "enable_thinking", "split_reasoning", "tools", "tool_choice",
              "parallel_tool_calls", "stream"),
+    "embed": ("input", "dimensions", "truncate"),
+    "rerank": ("query", "documents", "top_n"),
     "tokenize": ("text", "add_special"),
     "detokenize": ("ids",),
     "cancel": ("id",),
@@ -531,6 +574,25 @@ def validate_params(method: str, params, vocab_size: int,
                           tool_choice=_tool_choice(p.get("tool_choice", "auto"), tools),
                           parallel_tool_calls=_bool("parallel_tool_calls",
                                                     p.get("parallel_tool_calls", True)))
+    if method == "embed":
+        if "input" not in p:
+            raise BadRequest("embed needs input (a string, [string], [int] or [[int]])")
+        dims = p.get("dimensions")
+        return EmbedParams(_embed_inputs(p["input"], vocab_size),
+                           None if dims is None else _int("dimensions", dims, 1),
+                           _bool("truncate", p.get("truncate", False)))
+    if method == "rerank":
+        docs = p.get("documents")
+        if "query" not in p or not isinstance(docs, list) or not docs \
+                or not all(isinstance(d, str) for d in docs):
+            raise BadRequest("rerank needs query (str) and documents (a list of strings, not "
+                             "empty)")
+        if len(docs) > MAX_EMBED_INPUTS:
+            raise BadRequest(f"documents holds {len(docs)}; at most {MAX_EMBED_INPUTS} per "
+                             "request")
+        top_n = p.get("top_n")
+        return RerankParams(_str("query", p["query"]), tuple(docs),
+                            None if top_n is None else _int("top_n", top_n, 1))
     if method == "tokenize":
         if "text" not in p:
             raise BadRequest("tokenize needs text (str)")

@@ -204,14 +204,16 @@ cdef class Forward:
 
     def run(self, const int32_t[::1] tokens, int pos0, const float[:, ::1] rope_cos,
             const float[:, ::1] rope_sin, float[:, ::1] logits, vis_rows=None, vis_embd=None,
-            deep=None, routing=None):
+            deep=None, routing=None, float[:, ::1] hidden=None):
         """Runs `tokens` (n <= max_chunk) at KV rows pos0 .. pos0 + n - 1 (rows before pos0
         valid) and stores their KV. rope_cos, rope_sin (n, head_dim/2): each token's rotation.
         logits: (1, vocab) for the last token's, or (n, vocab) for every token's.
         Qwen3-VL: vis_rows (r,) int32 rows of the chunk whose input embeddings are
         vis_embd (r, hidden); deep (d, r, hidden): DeepStack features added to those rows
         after layers 0 .. d-1. routing: None or int32 (MoE layers, n, n_used), filled with
-        the experts each token chose."""
+        the experts each token chose. hidden: None, or (1, hidden) / (n, hidden) that
+        receives the last / every token's row after the output norm instead of logits
+        (embeddings; logits is then not read and may be None)."""
         cdef ks_batch b
         cdef Py_ssize_t n = tokens.shape[0], i
         cdef const int32_t[::1] vr
@@ -228,12 +230,19 @@ cdef class Forward:
         if (rope_cos.shape[0] != n or rope_cos.shape[1] != self.m.hd // 2
                 or rope_sin.shape[0] != n or rope_sin.shape[1] != self.m.hd // 2):
             raise ValueError(f"Forward: rope tables must be ({n}, {self.m.hd // 2})")
-        if logits.shape[1] != self.m.vocab or logits.shape[0] not in (1, n):
-            raise ValueError(f"Forward: logits must be (1, {self.m.vocab}) or ({n}, {self.m.vocab}), "
-                             f"got ({logits.shape[0]}, {logits.shape[1]})")
         b.n, b.pos0, b.tokens = <int>n, pos0, &tokens[0]
         b.rope_cos, b.rope_sin = &rope_cos[0, 0], &rope_sin[0, 0]
-        b.logits, b.all_logits = &logits[0, 0], logits.shape[0] == n and n > 1
+        if hidden is not None:
+            if hidden.shape[1] != self.m.hidden or hidden.shape[0] not in (1, n):
+                raise ValueError(f"Forward: hidden must be (1, {self.m.hidden}) or ({n}, "
+                                 f"{self.m.hidden}), got ({hidden.shape[0]}, {hidden.shape[1]})")
+            b.logits, b.hidden, b.all_logits = NULL, &hidden[0, 0], hidden.shape[0] == n and n > 1
+        elif logits is None or logits.shape[1] != self.m.vocab or logits.shape[0] not in (1, n):
+            raise ValueError(f"Forward: logits must be (1, {self.m.vocab}) or ({n}, {self.m.vocab})"
+                             + ("" if logits is None else
+                                f", got ({logits.shape[0]}, {logits.shape[1]})"))
+        else:
+            b.logits, b.hidden, b.all_logits = &logits[0, 0], NULL, logits.shape[0] == n and n > 1
         b.n_vis, b.vis_rows, b.vis_embd, b.n_deep, b.deep, b.routing = 0, NULL, NULL, 0, NULL, NULL
         if vis_rows is not None and len(vis_rows):
             vr, ve = vis_rows, vis_embd

@@ -92,6 +92,8 @@ typedef struct {
     const float *deep;                /* (n_deep, n_vis, hidden) */
     float *logits;                    /* (all_logits ? n : 1, vocab) */
     int all_logits;
+    float *hidden;                    /* NULL, or (all_logits ? n : 1, hidden): the pass stops
+                                         at the output norm, its rows go here, no logits */
     int32_t *routing;                 /* NULL, or (MoE layers, n, n_used): the experts chosen */
 } ks_batch;
 
@@ -556,10 +558,17 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
             goto late;
         }
     }
-    /* logits of every token, or of the last one only */
+    /* logits (or normed rows) of every token, or of the last one only */
     const int first = B->all_logits ? 0 : n - 1, m = n - first;
     if (!ks_residual_step(w, M, S, B, M->n_layers, 0, first, m) || !ks_phase_end(w))
         goto late;
+    if (B->hidden) {             /* embeddings: the normed rows, not the output product */
+        KS_EACH_ITEM(w, m, i)
+            memcpy(B->hidden + (int64_t)i * M->hidden, S->xn + (int64_t)i * M->hidden,
+                   sizeof(float) * M->hidden);
+        ks_phase_end(w);
+        goto late;
+    }
     const ks_matrix *out = &M->output;
     float *logits = B->logits;
     ks_phase_matmuls(w, &out, &logits, 1, S->xq, S->xd, S->xh, m, nthreads);

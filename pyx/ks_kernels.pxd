@@ -117,6 +117,7 @@ cdef extern from "ks_forward.h" nogil:
         const float *deep
         float *logits
         int all_logits
+        float *hidden
         int32_t *routing
     ctypedef struct ks_scratch:
         int max_chunk, nthreads

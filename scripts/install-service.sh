@@ -7,7 +7,10 @@
 #   /usr/local/bin/kestrelctl  a link to the venv's client
 #   /etc/kestrel/kestreld.conf from systemd/kestreld.conf.sample, never overwritten
 #   /etc/systemd/system        kestreld.service, kestreld.socket and kestreld-http.socket
-#                              (the HTTP API on 127.0.0.1:8080; installed, not enabled)
+#                              (the HTTP API on 127.0.0.1:8080; installed, not enabled), and
+#                              the instance templates kestreld@.service, kestreld@.socket,
+#                              kestreld-http@.socket: kestreld@NAME reads /etc/kestrel/NAME.conf
+#                              (several models side by side; installed, none enabled)
 #   group `kestrel`            members (and root) may use /run/kestrel/kestreld.sock
 # Then, when systemd is running: daemon-reload, enable and start kestreld.socket (the daemon
 # starts on the first request), and restart kestreld.service if it was running.
@@ -67,8 +70,11 @@ else
 fi
 
 install -m 0644 "$CHECKOUT/systemd/kestreld.service" "$CHECKOUT/systemd/kestreld.socket" \
-    "$CHECKOUT/systemd/kestreld-http.socket" "$UNIT_DIR/"
-say "installed $UNIT_DIR/kestreld.service, kestreld.socket and kestreld-http.socket"
+    "$CHECKOUT/systemd/kestreld-http.socket" "$CHECKOUT/systemd/kestreld@.service" \
+    "$CHECKOUT/systemd/kestreld@.socket" "$CHECKOUT/systemd/kestreld-http@.socket" "$UNIT_DIR/"
+say "installed $UNIT_DIR/kestreld.service, kestreld.socket and kestreld-http.socket," \
+    "and the instance templates kestreld@.service, kestreld@.socket, kestreld-http@.socket" \
+    "(a chat and an embedding model side by side: docs/service.md)"
 
 if [ -d /run/systemd/system ]; then
   systemctl daemon-reload

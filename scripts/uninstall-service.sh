@@ -15,12 +15,19 @@ say() { echo "uninstall-service: $*"; }
 
 if [ -d /run/systemd/system ]; then
   systemctl disable --now kestreld-http.socket kestreld.socket kestreld.service 2>/dev/null || true
+  # every instance (kestreld@NAME) that is loaded: its HTTP socket, socket and service
+  for unit in $(systemctl list-units --all --plain --no-legend 'kestreld-http@*' 'kestreld@*' |
+                awk '{print $1}'); do
+    systemctl disable --now "$unit" 2>/dev/null || true
+  done
 fi
 rm -f /etc/systemd/system/kestreld.service /etc/systemd/system/kestreld.socket \
-      /etc/systemd/system/kestreld-http.socket
+      /etc/systemd/system/kestreld-http.socket /etc/systemd/system/kestreld@.service \
+      /etc/systemd/system/kestreld@.socket /etc/systemd/system/kestreld-http@.socket
 if [ -d /run/systemd/system ]; then
   systemctl daemon-reload
-  systemctl reset-failed kestreld.service kestreld.socket kestreld-http.socket 2>/dev/null || true
+  systemctl reset-failed kestreld.service kestreld.socket kestreld-http.socket 'kestreld@*' \
+      'kestreld-http@*' 2>/dev/null || true
 fi
 say "removed the units"
 

@@ -325,8 +325,11 @@ def gguf_tensors(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, n
 
 
 def write_gguf(spec: ModelSpec, weights: dict[str, np.ndarray], tok: GenTokenizer,
-               path: Path, tensor_type: str, chat_template: str = CHAT_TEMPLATE) -> None:
-    """Write a GGUF file whose 2-D tensors are `tensor_type` (a key of GGUF_TYPES)."""
+               path: Path, tensor_type: str, chat_template: str = CHAT_TEMPLATE,
+               extra=None, extra_tensors: dict | None = None) -> None:
+    """Write a GGUF file whose 2-D tensors are `tensor_type` (a key of GGUF_TYPES);
+    `extra(writer)`, if given, adds metadata of its own; `extra_tensors` ({name: float
+    array}) tensors of its own after the model's."""
     qtype, ftype = GGUF_TYPES[tensor_type]
     w = gguf.GGUFWriter(str(path), spec.arch)
     w.add_name(spec.name)
@@ -354,8 +357,11 @@ def write_gguf(spec: ModelSpec, weights: dict[str, np.ndarray], tok: GenTokenize
     w.add_pad_token_id(tok.pad_id)
     w.add_add_bos_token(False)
     w.add_chat_template(chat_template)
+    if extra is not None:
+        extra(w)
     write_and_close(w, ((name, arr, gguf.GGMLQuantizationType.F32 if arr.ndim == 1 else qtype)
-                        for name, arr in gguf_tensors(spec, weights).items()))
+                        for name, arr in {**gguf_tensors(spec, weights),
+                                          **(extra_tensors or {})}.items()))
 
 
 # ---------------------------------------------------------------- one call

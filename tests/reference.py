@@ -145,14 +145,16 @@ def moe_ffn(h: np.ndarray, prefix: str, config: dict, W, linear, routing=None) -
 # ---------------------------------------------------------------- model
 
 def forward(weights: dict[str, np.ndarray], config: dict, ids, *, kv_int8: bool = False,
-            act_q8: bool = False, routing: list | None = None) -> np.ndarray:
+            act_q8: bool = False, routing: list | None = None,
+            normed_rows: bool = False) -> np.ndarray:
     """Logits (n_tokens, vocab) float64 for token ids at positions 0..n-1.
 
     kv_int8: round K (after norm and RoPE) and V through the int8 KV cache.
     act_q8: round each matmul's input through Q8_0 with a float32 scale (what the engine's
     Q8_0 x Q8_0 product sees). Activation rounding is discontinuous: a last-bit difference
     upstream redraws it, so this is the same arithmetic, not the same numbers, as the engine's.
-    routing: a list that gets each MoE layer's (n, k) expert choice, in layer order."""
+    routing: a list that gets each MoE layer's (n, k) expert choice, in layer order.
+    normed_rows: return the rows after the final norm (n_tokens, hidden), not logits."""
     arch = config["model_type"]
     if arch not in ("qwen3", "qwen3_moe", "llama"):
         raise ValueError(f"reference.forward: unsupported model_type {arch!r}")
@@ -191,6 +193,8 @@ def forward(weights: dict[str, np.ndarray], config: dict, ids, *, kv_int8: bool 
         up = linear(h, p + "mlp.up_proj.weight")
         x = x + linear(gate / (1.0 + np.exp(-gate)) * up, p + "mlp.down_proj.weight")
     x = rms_norm(x, W("model.norm.weight"), eps)
+    if normed_rows:
+        return x
     tied = config.get("tie_word_embeddings", False)
     return linear(x, "model.embed_tokens.weight" if tied else "lm_head.weight")
 

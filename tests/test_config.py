@@ -53,7 +53,7 @@ def test_config_file_errors_name_the_line(tmp_path):
 @pytest.mark.parametrize("field, value, needle", [
     ("max_seq", 0, "max-seq"), ("max_queue", 0, "max-queue"), ("kv_bs", 24, "power of two"),
     ("threads", -1, "threads"), ("max_outgoing_bytes", 0, "max-outgoing-bytes"),
-    ("shutdown_grace", -1, "shutdown-grace"),
+    ("shutdown_grace", -1, "shutdown-grace"), ("pooling", "max", "pooling must be one of"),
 ])
 def test_invalid_values_are_refused(field, value, needle):
     with pytest.raises(ValueError, match=needle):
@@ -114,3 +114,12 @@ def test_strict_model_from_flag_and_file(tmp_path):
     conf = tmp_path / "k.conf"
     conf.write_text("strict-model = true\n")
     assert load_config(["--config", str(conf)], environ={}).strict_model
+
+
+def test_pooling_from_argv_and_file(tmp_path):
+    conf = tmp_path / "k.conf"
+    conf.write_text("pooling = mean\n")
+    assert load_config(["--config", str(conf)], environ={}).pooling == "mean"
+    assert load_config(["--config", str(conf), "--pooling", "cls"], environ={}).pooling == "cls"
+    conf.write_text("")
+    assert load_config(["--config", str(conf)], environ={}).pooling is None   # the file's

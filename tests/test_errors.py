@@ -5,7 +5,7 @@ from kestreld import errors
 def test_the_protocols_closed_set_of_codes():
     assert errors.WIRE_CODES == ("bad_request", "unknown_method", "too_large", "prompt_too_long",
                                  "queue_full", "shutting_down", "cancelled", "permission_denied",
-                                 "internal")
+                                 "not_embedding_model", "internal")
     kinds = errors.REQUEST_ERRORS
     assert len({k.code for k in kinds}) == len(kinds)
     exits = [k.exit_status for k in kinds if k.exit_status is not None]

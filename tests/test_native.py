@@ -210,8 +210,8 @@ def test_errors_in_ollama_shape(client, http):
             call()
         assert e.value.status_code == 400 and "serves the one model" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.embed(model=ALIAS, input="hi")
-    assert e.value.status_code == 400 and "embeddings" in e.value.error
+        client.embed(model=ALIAS, input="hi")          # a chat model: no pooling
+    assert e.value.status_code == 400 and "--pooling" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=ALIAS, messages=QUESTION, options={"top_p": 5})
     assert e.value.status_code == 400 and "top_p" in e.value.error

@@ -8,7 +8,8 @@ import pytest
 
 from kestreld.engine.sampler import SamplingOptions
 from kestreld.errors import BadRequest, TooLarge, UnknownMethod
-from kestreld.protocol import (ChatParams, FrameError, FrameReader, GenerateParams, NoParams,
+from kestreld.protocol import (MAX_EMBED_INPUTS, ChatParams, EmbedParams, FrameError,
+                               FrameReader, GenerateParams, NoParams, RerankParams,
                                Notification, Request, Response,
                                decode_message, encode_notification, encode_request,
                                encode_response, msgid_of, validate_params)
@@ -88,6 +89,37 @@ def test_other_methods():
             validate_params(method, p if isinstance(p, (list, str)) else [p], VOCAB)
     with pytest.raises(UnknownMethod, match="frobnicate"):
         validate_params("frobnicate", [], VOCAB)
+
+
+def test_embed_input_forms_and_limits():
+    def embed(**p):
+        return validate_params("embed", [p], VOCAB)
+    assert embed(input="a").inputs == ("a",)
+    assert embed(input=["a", "b"]).inputs == ("a", "b")
+    assert embed(input=[1, 2]).inputs == ((1, 2),)
+    assert embed(input=[[1], [2, 3]], dimensions=8) == EmbedParams(((1,), (2, 3)), 8, False)
+    assert embed(input="a", truncate=True).truncate is True
+    for p, needle in (({}, "embed needs input"), ({"input": []}, "not empty"),
+                      ({"input": 3}, "a string, a list"), ({"input": ["a", [1]]}, "only strings"),
+                      ({"input": [[VOCAB]]}, r"input\[0\]"),
+                      ({"input": "a", "dimensions": 0}, "dimensions"),
+                      ({"input": ["a"] * (MAX_EMBED_INPUTS + 1)}, "at most 2048"),
+                      ({"input": "a", "temperature": 0}, "unknown parameter")):
+        with pytest.raises(BadRequest, match=needle):
+            embed(**p)
+
+
+def test_rerank_params():
+    p = validate_params("rerank", [{"query": "q", "documents": ["a", "b"], "top_n": 1}], VOCAB)
+    assert p == RerankParams("q", ("a", "b"), 1)
+    assert validate_params("rerank", [{"query": "q", "documents": ["a"]}], VOCAB).top_n is None
+    for p, needle in (({"documents": ["a"]}, "needs query"),
+                      ({"query": "q", "documents": []}, "not empty"),
+                      ({"query": "q", "documents": [1]}, "list of strings"),
+                      ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+                      ({"query": "q", "documents": ["a"] * (MAX_EMBED_INPUTS + 1)}, "at most")):
+        with pytest.raises(BadRequest, match=needle):
+            validate_params("rerank", [p], VOCAB)
 
 
 # ---------------------------------------------------------------- messages

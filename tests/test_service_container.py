@@ -7,8 +7,11 @@ checkout), WatchdogSec=4 and RestartSec=1 so the failure tests are quick, and, w
 interpreter or checkout lives under /root, /home or /tmp, those folders bound back
 read-only (BindReadOnlyPaths=, with ProtectHome=tmpfs for a home folder: ProtectHome=yes
 and the PrivateTmp= implied by DynamicUser= would hide them). The config is the sample with the
-model set to the Q8_0 SmolLM2 and a small arena. The tests run in file order, each
-building on the state the previous one left.
+model set to the Q8_0 SmolLM2 and a small arena. The instance templates (kestreld@.service,
+kestreld@.socket, kestreld-http@.socket) are installed beside them, changed the same way,
+with /etc/kestrel/chat.conf (SmolLM2) and /etc/kestrel/embed.conf (the generated Qwen3
+embedding model, tests/modelgen_embed.py). The tests run in file order, each building on
+the state the previous one left.
 """
 from __future__ import annotations
 
@@ -22,14 +25,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+import modelgen_embed
 from container import SystemdContainer, unavailable_reason, unit_with
 from daemon import START_TIMEOUT_S, model_path
-from kestrelctl import Client
+from kestrelctl import Client, KestrelClientError
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 UNITS = CHECKOUT / "systemd"
 SOCKET = "/run/kestrel/kestreld.sock"
 MODEL_IN_BOX = "/opt/kestrel-test/model.gguf"
+EMBED_MODEL_IN_BOX = "/opt/kestrel-test/embed.gguf"
 WATCHDOG_S = 4
 MAX_SEQ = 2048
 MAX_NEW_TOKENS = 1800           # the long request's cap (prompt + this < MAX_SEQ)
@@ -55,9 +60,10 @@ def _bound_folders() -> list[str]:
     return sorted(f for f in folders if not any(f.startswith(o + "/") for o in folders))
 
 
-def _test_service(folders: list[str]) -> str:
+def _test_service(folders: list[str], unit: str = "kestreld.service",
+                  config: str = "/etc/kestrel/kestreld.conf") -> str:
     changes = {
-        "ExecStart": f"ExecStart={sys.executable} -m kestreld --config /etc/kestrel/kestreld.conf",
+        "ExecStart": f"ExecStart={sys.executable} -m kestreld --config {config}",
         "Environment": f"Environment=PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PYTHONPATH={CHECKOUT}",
         "WatchdogSec": f"WatchdogSec={WATCHDOG_S}",
         "RestartSec": "RestartSec=1",
@@ -68,12 +74,12 @@ def _test_service(folders: list[str]) -> str:
         homes = any(f.startswith(("/root/", "/home/")) for f in hidden)
         changes["ProtectHome"] = (f"ProtectHome={'tmpfs' if homes else 'yes'}\n"
                                   f"BindReadOnlyPaths={' '.join(hidden)}")
-    return unit_with((UNITS / "kestreld.service").read_text(), changes)
+    return unit_with((UNITS / unit).read_text(), changes)
 
 
-def _test_config() -> str:
+def _test_config(model: str = MODEL_IN_BOX) -> str:
     text = (UNITS / "kestreld.conf.sample").read_text()
-    for key, value in (("model", MODEL_IN_BOX), ("max-seq", str(MAX_SEQ)), ("threads", "1")):
+    for key, value in (("model", model), ("max-seq", str(MAX_SEQ)), ("threads", "1")):
         text, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
         assert n == 1, f"sample config has no single `{key} =` line"
     return text
@@ -87,13 +93,19 @@ def box(tmp_path_factory):
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("box")
     folders = _bound_folders()
+    embed_model = modelgen_embed.generate(tmp, ("q8_0",)).gguf["q8_0"]
     files = {
         "kestreld.service": _test_service(folders),
+        "kestreld@.service": _test_service(folders, "kestreld@.service", "/etc/kestrel/%i.conf"),
+        "chat.conf": _test_config(),
+        "embed.conf": _test_config(EMBED_MODEL_IN_BOX),
         "kestreld-http.socket": unit_with((UNITS / "kestreld-http.socket").read_text(), {
             "ListenStream": f"ListenStream=127.0.0.1:{HTTP_PORT}"}),
         "kestreld.conf": _test_config(),
         # Presets would enable every unit with an [Install] section on this first boot.
-        "preset": "disable kestreld.service\ndisable kestreld.socket\ndisable kestreld-http.socket\n",
+        "preset": "".join(f"disable {unit}\n" for unit in (
+            "kestreld.service", "kestreld.socket", "kestreld-http.socket", "kestreld@.service",
+            "kestreld@.socket", "kestreld-http@.socket")),
         # Stands in for install-service.sh's `groupadd --system kestrel`.
         "sysusers.conf": "g kestrel -\n",
     }
@@ -106,6 +118,12 @@ def box(tmp_path_factory):
         str(UNITS / "kestreld.socket"): "/etc/systemd/system/kestreld.socket",
         str(tmp / "kestreld-http.socket"): "/etc/systemd/system/kestreld-http.socket",
         str(tmp / "kestreld.conf"): "/etc/kestrel/kestreld.conf",
+        str(embed_model): EMBED_MODEL_IN_BOX,
+        str(tmp / "kestreld@.service"): "/etc/systemd/system/kestreld@.service",
+        str(UNITS / "kestreld@.socket"): "/etc/systemd/system/kestreld@.socket",
+        str(UNITS / "kestreld-http@.socket"): "/etc/systemd/system/kestreld-http@.socket",
+        str(tmp / "chat.conf"): "/etc/kestrel/chat.conf",
+        str(tmp / "embed.conf"): "/etc/kestrel/embed.conf",
         str(tmp / "preset"): "/etc/systemd/system-preset/00-test.preset",
         str(tmp / "sysusers.conf"): "/etc/sysusers.d/kestrel.conf",
     })
@@ -229,3 +247,27 @@ def test_http_api_through_its_socket_unit(box):
     with _client(box, 60) as kc:                       # the RPC socket as before
         assert kc.ping()["pid"] == _main_pid(box)
     assert "HTTP API listening on http://127.0.0.1" in box.journal("kestreld.service")
+
+
+def test_a_chat_and_an_embedding_instance_side_by_side(box):
+    """kestreld@chat (SmolLM2) and kestreld@embed (an embedding model): two processes, each
+    with its own socket, arena and model, started by their own socket units; the embedding
+    instance's HTTP API on its kestreld-http@embed.socket (a Unix socket)."""
+    box.systemctl("start", "kestreld@chat.socket", "kestreld@embed.socket",
+                  "kestreld-http@embed.socket")
+    with Client(box.host_path("/run/kestrel/chat.sock"), timeout=START_TIMEOUT_S) as chat, \
+            Client(box.host_path("/run/kestrel/embed.sock"), timeout=START_TIMEOUT_S) as embed:
+        assert chat.generate(prompt=PROMPT, max_tokens=3).usage["completion_tokens"] == 3
+        vector = embed.embed(PROMPT)["embeddings"][0]
+        assert len(vector) == modelgen_embed.SPEC.hidden
+        with pytest.raises(KestrelClientError) as refused:
+            chat.embed(PROMPT)
+        assert refused.value.code == "not_embedding_model"
+        pids = (chat.ping()["pid"], embed.ping()["pid"])
+    assert pids == (int(box.show("kestreld@chat.service", "MainPID")["MainPID"]),
+                    int(box.show("kestreld@embed.service", "MainPID")["MainPID"]))
+    assert len(set(pids) | {_main_pid(box)}) == 3      # and the plain kestreld.service
+    transport = httpx.HTTPTransport(uds=box.host_path("/run/kestrel/embed.http.sock"))
+    with httpx.Client(transport=transport, base_url="http://localhost", timeout=120) as http:
+        r = http.post("/v1/embeddings", json={"input": PROMPT, "encoding_format": "float"})
+    assert r.status_code == 200 and r.json()["data"][0]["embedding"] == vector, r.text

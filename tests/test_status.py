@@ -60,6 +60,7 @@ def test_status_model_map_through_the_daemon(tmp_path):
     assert m["context_length"] == spec.max_pos and m["file_bytes"] == os.path.getsize(path)
     assert m["chat_template_source"] == "chatml fallback"
     assert m["weight_types"] == {"q8_0": 1.0} and m["vision"] is False
+    assert m["pooling"] is None                   # a chat model: no embeddings
 
 
 def test_resident_memory_is_the_file_the_arena_and_150_mb_through_the_daemon(tmp_path):

@@ -118,6 +118,67 @@ def test_http_socket_unit_is_loopback_only_and_named_for_the_daemon():
         assert "kestreld-http.socket" in (CHECKOUT / "scripts" / script).read_text(), script
 
 
+def _instance_units(tmp_path: Path) -> list:
+    """The instance templates in one folder (ExecStart swapped as for the plain units), and
+    the instances `chat` and `embed` of each to verify."""
+    shutil.copy(UNITS / "kestreld@.socket", tmp_path / "kestreld@.socket")
+    shutil.copy(UNITS / "kestreld-http@.socket", tmp_path / "kestreld-http@.socket")
+    (tmp_path / "kestreld@.service").write_text(unit_with(
+        (UNITS / "kestreld@.service").read_text(),
+        {"ExecStart": f"ExecStart={sys.executable} -m kestreld --config /etc/kestrel/%i.conf"}))
+    return [tmp_path / f"{unit}@{name}.{kind}" for name in ("chat", "embed")
+            for unit, kind in (("kestreld", "service"), ("kestreld", "socket"),
+                               ("kestreld-http", "socket"))]
+
+
+def test_instance_units_verify_without_warnings(tmp_path):
+    _need("systemd-analyze")
+    units = _instance_units(tmp_path)
+    result = _verify(*units)
+    assert (result.returncode, result.stderr) == (0, "")
+    text = (tmp_path / "kestreld@.service").read_text().replace("ProtectClock=", "ProtectClok=")
+    (tmp_path / "kestreld@.service").write_text(text)       # and the check can fail
+    assert "ProtectClok" in _verify(*units[:2]).stderr
+
+
+def _settings(text: str) -> list:
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_instance_units_are_the_plain_units_but_for_the_instance():
+    """kestreld@NAME: the config /etc/kestrel/NAME.conf and the socket /run/kestrel/NAME.sock;
+    every other setting (the sandbox above all) the plain units' own."""
+    def plain(unit: str, changes: dict) -> list:
+        return _settings(unit_with((UNITS / unit).read_text(), changes))
+    assert _settings((UNITS / "kestreld@.service").read_text()) == plain("kestreld.service", {
+        "Description": "Description=Kestrel LLM inference daemon %i",
+        "Requires": "Requires=kestreld@%i.socket", "After": "After=kestreld@%i.socket",
+        "ExecStart": "ExecStart=/opt/kestrel/venv/bin/kestreld --config /etc/kestrel/%i.conf",
+        "Also": "Also=kestreld@%i.socket"})
+    assert _settings((UNITS / "kestreld@.socket").read_text()) == plain("kestreld.socket", {
+        "Description": "Description=Kestrel LLM inference daemon %i socket",
+        "ListenStream": "ListenStream=/run/kestrel/%i.sock"})
+    http = _settings((UNITS / "kestreld-http@.socket").read_text())
+    for line in ("ListenStream=/run/kestrel/%i.http.sock",
+                 f"FileDescriptorName={systemd.HTTP_FDNAME}", "Service=kestreld@%i.service",
+                 "IPAddressAllow=localhost", "IPAddressDeny=any"):
+        assert line in http, line
+    for script in ("install-service.sh", "uninstall-service.sh"):
+        text = (CHECKOUT / "scripts" / script).read_text()
+        for unit in ("kestreld@.service", "kestreld@.socket", "kestreld-http@.socket"):
+            assert unit in text, (script, unit)
+
+
+def test_instance_security_exposure_at_most_2(tmp_path):
+    _need("systemd-analyze")
+    service = _instance_units(tmp_path)[0]
+    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager",
+                             f"--threshold={round(EXPOSURE_LIMIT * 10)}", str(service)],
+                            capture_output=True, text=True, timeout=60)
+    m = re.search(r"Overall exposure level for kestreld@chat\.service: (\d+\.\d+)", result.stdout)
+    assert m and float(m.group(1)) <= EXPOSURE_LIMIT, result.stdout + result.stderr
+
+
 def test_sample_config_is_a_valid_config():
     values = read_config_file(str(UNITS / "kestreld.conf.sample"))
     cfg = Config(**values)

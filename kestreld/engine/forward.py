@@ -50,7 +50,8 @@ class Forward:
 
     def __call__(self, ids, keys=None, logits_out: Optional[np.ndarray] = None,
                  vision: Optional[ChunkVision] = None, rope_pos0: Optional[int] = None,
-                 routing: Optional[np.ndarray] = None) -> np.ndarray:
+                 routing: Optional[np.ndarray] = None,
+                 hidden_out: Optional[np.ndarray] = None) -> np.ndarray:
         """Run tokens `ids` (n <= max_chunk) at KV rows pos0 = cache_len .., store their KV
         and append `keys` (default: the ids) to the cache.
 
@@ -62,7 +63,8 @@ class Forward:
         experts.
 
         Returns the last token's logits (1, vocab), or fills `logits_out` (n, vocab) with
-        every token's."""
+        every token's. `hidden_out` (1 | n, hidden), embeddings: filled with the last /
+        every token's row after the output norm instead (no logits are made) and returned."""
         n, pos0 = len(ids), self.kv.cache_len
         if not 0 < n <= self.max_chunk:
             raise ValueError(f"chunk of {n} tokens; 1..{self.max_chunk} allowed")
@@ -84,6 +86,9 @@ class Forward:
                 raise ValueError(f"RoPE positions {r0}..{r0 + n - 1} outside [0, {len(self.cos)})")
             cos, sin = self.cos[r0:r0 + n], self.sin[r0:r0 + n]
         logits = self.logits if logits_out is None else logits_out
-        self.compiled.run(tokens, pos0, cos, sin, logits, vis_rows, vis_embd, deep, routing)
+        if hidden_out is not None:
+            logits = None
+        self.compiled.run(tokens, pos0, cos, sin, logits, vis_rows, vis_embd, deep, routing,
+                          hidden_out)
         self.kv.append(ids if keys is None else keys)
-        return logits
+        return logits if hidden_out is None else hidden_out

@@ -6,9 +6,9 @@ in the same pass when speculation is on (exact: the same ids as without it).
 
 `Engine` holds what lives as long as the process: the model, its forward pass, the KV
 cache, the prefix counters and the KV store. It is not thread-safe: exactly one thread (the
-scheduler's worker) calls `generate` / `run` / `store_kv` / `forward_logits`; `stats()` may
-be read from any thread (it copies plain ints), and `prompt` / `tokenize` / `detokenize`
-touch no KV.
+scheduler's worker) calls `generate` / `embed` / `run` / `store_kv` / `forward_logits`;
+`stats()` may be read from any thread (it copies plain ints), and `prompt` / `tokenize` /
+`detokenize` touch no KV.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from ..text.reasoning import ReasoningSplitter
 from ..text.tools import ToolCall, ToolCallParser
 from ..vision.prompt import ImageFigures
 from .constraint import Constraint, GrammarVocabulary, answer_grammar
+from .embed import Embedder, EmbedInput, Embeddings
+from .rerank import Ranking, Reranker, RerankInput
 from .forward import Forward
 from .kvcache import KVCache
 from .kvstore import KVStore
@@ -206,7 +208,7 @@ class Engine:
     def __init__(self, model, max_seq: int = 8192, threads: int = 1, prefix_kv: bool = True,
                  prefix_min: int = 16, kv_bs: int = 32, prefill_chunk: int = 256,
                  store: Optional[KVStore] = None, image_dir: Optional[str] = None,
-                 speculate: bool = True):
+                 speculate: bool = True, pooling: Optional[str] = None):
         self.model = model
         self.tokenizer = model.tokenizer
         self.threads = threads
@@ -222,13 +224,18 @@ class Engine:
         self.drafted = 0            # tokens drafted and accepted, over the process' life
         self.accepted = 0
         self._grammar_vocab: Optional[GrammarVocabulary] = None   # at the first grammar
+        # embeddings: pooled as --pooling says, else as the file says ("": it does not embed)
+        self.embedder = Embedder(self.forward, self.prompts, pooling or model.config.pooling,
+                                 model.config.name, prefix_kv, prefill_chunk)
+        self.reranker = Reranker(self.embedder, model, pooling or model.config.pooling)
 
     @classmethod
     def from_config(cls, model, cfg, store: Optional[KVStore] = None) -> "Engine":
         """An engine sized by a kestreld Config."""
         return cls(model, max_seq=cfg.max_seq, threads=cfg.n_threads, prefix_kv=cfg.prefix_kv,
                    prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk,
-                   store=store, image_dir=cfg.image_dir, speculate=cfg.speculate)
+                   store=store, image_dir=cfg.image_dir, speculate=cfg.speculate,
+                   pooling=cfg.pooling)
 
     # ---- text (any thread) ----------------------------------------------------------
     def prompt(self, request: Request) -> Prompt:
@@ -252,10 +259,19 @@ class Engine:
         self.store.close()
 
     # ---- the engine thread ------------------------------------------------------------
-    def run(self, request: Request, opts: SamplingOptions, **callbacks) -> Completion:
+    def run(self, request: Union[Request, EmbedInput, RerankInput],
+            opts: Optional[SamplingOptions], **callbacks) -> Union[Completion, Embeddings, Ranking]:
         """`generate` on the prompt of a request (built here, on the engine thread: images
-        are decoded and encoded by the one thread that owns the engine)."""
+        are decoded and encoded by the one thread that owns the engine), `embed` or `rerank`."""
+        if isinstance(request, EmbedInput):
+            return self.embed(request, callbacks.get("should_stop"))
+        if isinstance(request, RerankInput):
+            return self.reranker.run(request, callbacks.get("should_stop"))
         return self.generate(self.prompt(request), opts, **callbacks)
+
+    def embed(self, request: EmbedInput, should_stop: Optional[StopFn] = None) -> Embeddings:
+        """One unit vector per input (engine/embed.py); the KV cache is as before after it."""
+        return self.embedder.run(request, should_stop)
 
     def forward_logits(self, ids, start_pos: int = 0, vision=None) -> np.ndarray:
         """Logits (n, vocab) for every token of `ids` placed at start_pos.. (tests,

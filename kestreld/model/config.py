@@ -3,6 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How an embedding model makes one vector of a text's rows: llama.cpp's LLAMA_POOLING_TYPE
+# numbers, as GGUF files hold them in `<arch>.pooling_type` (0 NONE: a generative model;
+# 4 RANK: a reranker's classifier head, which is not computed here).
+POOLINGS = ("last", "mean", "cls")
+RANK = "rank"                 # a reranker's pooling (engine/rerank.py)
+GGUF_POOLING = {0: "", 1: "mean", 2: "cls", 3: "last", 4: RANK}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -32,3 +39,6 @@ class ModelConfig:
     # Qwen3-VL: interleaved M-RoPE, frequencies per (t, h, w) component; () = plain RoPE.
     # Text-only input has t = h = w, which is plain RoPE.
     mrope_section: tuple = ()
+    # Embedding models: "last" | "mean" | "cls" (POOLINGS) as the file says; "" for a
+    # generative model (its file names no pooling); "rank" for a reranker.
+    pooling: str = ""

@@ -18,7 +18,7 @@ from gguf import GGUFEndian, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField
 
 from ..errors import ModelLoadError
-from .config import ModelConfig
+from .config import GGUF_POOLING, ModelConfig
 from .weights import Q8_BLOCK, Q8_BLOCK_BYTES, Matrix, QType, computes_on
 from .quant import SUPPORTED_TYPES, dequantize_gguf, gguf_to_q8_0
 from ..text.tokenizer import Tokenizer
@@ -233,6 +233,11 @@ class GGUFSource(GGUFFile):
             raise ModelLoadError(f"{path}: bad tokenizer metadata: {type(e).__name__}: {e}") from None
         self.chat_template = self.meta("tokenizer.chat_template", None)
         self.chat_template_source = "gguf" if self.chat_template else None
+        # llama.cpp's reranker conversion: the prompt ({query}, {document}) and the head
+        self.rerank_template = self.meta("tokenizer.chat_template.rerank", None)
+        self.rank_head = (self.tensor_f32(RANK_HEAD, (2, self.config.hidden))
+                          if self.config.pooling == "rank" and RANK_HEAD in self._tensors
+                          else None)
         self.source_dtype = self._dominant_type()
         self.keepalive = [self._reader]  # the memory map the in-place matrices point into
 
@@ -277,7 +282,16 @@ class GGUFSource(GGUFFile):
             n_params=sum(int(t.n_elements) for t in self._reader.tensors),
             **(self._moe_hyperparameters(arch, n_layers, ffn) if moe else {}),
             mrope_section=self._mrope_section(arch) if arch == "qwen3vl" else (),
+            pooling=self._pooling(arch),
         )
+
+    def _pooling(self, arch: str) -> str:
+        """`{arch}.pooling_type` as a POOLINGS name ("" when absent or NONE)."""
+        kind = int(self.meta(f"{arch}.pooling_type", 0))
+        if kind not in GGUF_POOLING:
+            raise ValueError(f"{arch}.pooling_type {kind} is none of llama.cpp's "
+                             f"{sorted(GGUF_POOLING)}")
+        return GGUF_POOLING[kind]
 
     def _mrope_section(self, arch: str) -> tuple:
         """Qwen3-VL's M-RoPE sections (t, h, w): llama.cpp's converter writes them as
@@ -357,6 +371,10 @@ class GGUFSource(GGUFFile):
     def vector(self, role: str, layer: Optional[int], n: int) -> np.ndarray:
         """The float32 (n,) vector for `role` (a norm weight; a copy, independent of the map)."""
         return self.tensor_f32(self.name(role, layer), (n,))
+
+
+# llama.cpp's reranker head: the output matrix's rows of "yes" and "no", in that order
+RANK_HEAD = "cls.output.weight"
 
 
 def _is_router(name: str) -> bool:

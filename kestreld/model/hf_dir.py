@@ -22,7 +22,8 @@ from .quant import bf16_to_f32, float_to_q8_0
 from ..text.tokenizer import Tokenizer
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-                 "Qwen3MoeForCausalLM": "qwen3moe", "Qwen3VLForConditionalGeneration": "qwen3vl"}
+                 "Qwen3MoeForCausalLM": "qwen3moe", "Qwen3VLForConditionalGeneration": "qwen3vl",
+                 "Qwen3Model": "qwen3"}     # Qwen3-Embedding saved by sentence-transformers
 # A config saved from a bare config object (no model) has no `architectures`: its model_type
 MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
@@ -137,9 +138,14 @@ class HFSource:
         self._config_file = os.path.join(path, "config.json")
         hf = self._read_json(self._config_file)
         self.hf_config = hf
-        self._text_prefix = VL_TEXT_PREFIX if _is_vl(hf) else "model."
         self.keepalive = []  # every weight is converted (a copy): the file maps can close
         self._tensors = self._open_weights()
+        # Qwen3-Embedding (saved from Qwen3Model by sentence-transformers): no "model." prefix
+        bare = ("embed_tokens.weight" in self._tensors
+                and TENSOR_NAMES["tok_embd"] not in self._tensors)
+        self._text_prefix = VL_TEXT_PREFIX if _is_vl(hf) else "" if bare else "model."
+        self.pooling = _read_pooling(path)
+        self.rerank_template = self.rank_head = None    # GGUF only (llama.cpp's conversion)
         self.config = self._read_config(hf)
         self.tokenizer = Tokenizer.from_hf_dir(path)
         self.chat_template, self.chat_template_source = self._read_chat_template()
@@ -217,7 +223,9 @@ class HFSource:
         try:
             hidden = int(need("hidden_size"))
             n_heads = int(need("num_attention_heads"))
-            tied = bool(hf.get("tie_word_embeddings", False))
+            # an embedding model may have no output matrix at all: it is never used
+            tied = bool(hf.get("tie_word_embeddings", False)) or (
+                bool(self.pooling) and TENSOR_NAMES["output"] not in self._tensors)
             return ModelConfig(
                 arch=arch,
                 name=os.path.basename(os.path.normpath(self.path)),
@@ -238,6 +246,7 @@ class HFSource:
                              if not (tied and name == TENSOR_NAMES["output"])),
                 **(self._moe_hyperparameters(hf, need) if arch == "qwen3moe" else {}),
                 mrope_section=tuple(int(v) for v in hf.get("mrope_section") or ()),
+                pooling=self.pooling,
             )
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{self._config_file}: bad value: {e}") from None
@@ -326,6 +335,38 @@ class HFSource:
         t = self._tensor(self.name(role, layer), (n,))
         values = bf16_to_f32(t.data) if t.dtype == "BF16" else t.data
         return np.array(values, dtype=np.float32)
+
+
+# sentence-transformers' Pooling config flag -> POOLINGS name
+_ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+               "pooling_mode_cls_token": "cls"}
+
+
+def _read_pooling(path: str) -> str:
+    """The pooling sentence-transformers' files name (modules.json, then the Pooling
+    module's config.json, e.g. 1_Pooling/config.json), or "" without modules.json."""
+    modules_file = os.path.join(path, "modules.json")
+    if not os.path.exists(modules_file):
+        return ""
+    with _read_faults(modules_file, "not valid JSON"):
+        with open(modules_file, "rb") as f:
+            modules = json.loads(f.read())
+    pools = [m for m in modules if isinstance(m, dict)
+             and str(m.get("type", "")).endswith(".Pooling")] if isinstance(modules, list) else []
+    if len(pools) != 1:
+        raise ModelLoadError(f"{modules_file}: want one sentence_transformers Pooling module, "
+                             f"found {len(pools)}")
+    config_file = os.path.join(path, str(pools[0].get("path", "")), "config.json")
+    with _read_faults(config_file, "not valid JSON"):
+        with open(config_file, "rb") as f:
+            config = _json_object(f.read(), config_file, "not valid JSON")
+    chosen = [name for flag, name in _ST_POOLING.items() if config.get(flag)]
+    other = sorted(k for k, v in config.items() if k.startswith("pooling_mode_") and v
+                   and k not in _ST_POOLING)
+    if len(chosen) != 1 or other:
+        raise ModelLoadError(f"{config_file}: want exactly one of "
+                             f"{', '.join(_ST_POOLING)}; got {chosen + other}")
+    return chosen[0]
 
 
 def _architecture(hf: dict):

@@ -45,6 +45,8 @@ class LoadedModel:
     mmproj: Optional[str] = None     # the vision projector GGUF the encoder came from, if any
     conversion: Optional[str] = None  # None: every matrix in place from the map; else how
                                       # matrices the kernels do not compute on were converted
+    rank_head: Optional[np.ndarray] = None   # a GGUF reranker's (2, hidden) rows yes, no
+    rerank_template: Optional[str] = None    # its prompt, with {query} and {document}
 
 
 def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str] = None,
@@ -92,6 +94,8 @@ def load_model(path: str, cache_dir: Optional[str] = None, mmproj: Optional[str]
         vision=_vision(source, path, mmproj),
         mmproj=mmproj,
         conversion=conversion,
+        rank_head=source.rank_head,
+        rerank_template=source.rerank_template,
     )
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Sequence
 
+from ..model.config import POOLINGS, RANK
 from ..protocol import DEFAULT_SOCKET  # one definition, shared with kestrelctl
 
 DEFAULT_CONFIG_FILE = "/etc/kestrel/kestreld.conf"
@@ -90,6 +91,7 @@ class Config:
     threads: int = 0                     # 0: number of performance cores
     prefix_kv: bool = True               # reuse the KV of the longest common prefix
     speculate: bool = True               # draft from the context, verify in one pass (exact)
+    pooling: Optional[str] = None        # "last" | "mean" | "cls" | "rank"; None: the file's
     memory_check: bool = True            # refuse a model whose weights + arena exceed MemAvailable
     interleave: bool = True              # copy the matrices that have an interleaved product into it
     prefix_min: int = 16                 # LCP below this is a miss (design source: 16)
@@ -131,6 +133,9 @@ class Config:
         if self.kv_memory and not self.prefix_kv:
             raise ValueError("kv-memory reuses KV by common prefix: it cannot be used with "
                              "no-prefix-kv")
+        if self.pooling is not None and self.pooling not in POOLINGS + (RANK,):
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS + (RANK,))}, got "
+                             f"{self.pooling!r}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         for address in self.http_addresses:
@@ -195,6 +200,10 @@ def _parser() -> argparse.ArgumentParser:
     a("--no-speculate", dest="speculate", action="store_const", const=False,
       help="decode one token per pass; by default drafts from the prompt and the answer are "
       "verified in one pass (the same tokens either way: docs/speculation.md)")
+    a("--pooling", choices=POOLINGS + (RANK,), help="embeddings: pool the rows this way (last "
+      "token, mean, first token), whatever the model file says; without it a model embeds "
+      "only if its file names a pooling (an embedding model's GGUF pooling_type, "
+      "sentence-transformers' 1_Pooling); rank: rerank with it (a Qwen3-Reranker)")
     a("--prefix-min", type=int, help="shortest common prefix reused (default 16)")
     a("--kv-bs", type=int, help="attention key block size (default 32)")
     a("--prefill-chunk", type=int, help="prefill chunk in tokens (default 256)")

@@ -36,6 +36,7 @@ from ..errors import (BadRequest, KestrelError, Loading, MethodNotAllowed, Model
                       TooLarge, Unauthorized, internal)
 from .config import Config, HttpAddress
 from .methods import Methods, completion_result, nth_choice, token_payload
+from .embeddings import PATHS as EMBED_PATHS, EmbeddingRoutes
 from .metrics import CONTENT_TYPE, Metrics
 from .native import PATHS as NATIVE_PATHS, NativeRoutes, error_body_for, read_json
 from .openai import (Answer, Translated, chat_request, completion_request, model,
@@ -53,7 +54,7 @@ SHUTDOWN_TIMEOUT_S = 2.0      # after the scheduler is drained: time for the las
 OPENAI_PREFIXES = ("/v1", "")
 OPENAI_PATHS = ("/chat/completions", "/completions", "/responses", "/models")
 PATHS = tuple(prefix + path for prefix in OPENAI_PREFIXES for path in OPENAI_PATHS) + (
-    "/health", "/metrics") + NATIVE_PATHS
+    "/health", "/metrics") + NATIVE_PATHS + EMBED_PATHS
 CORS_HEADERS = "Authorization, Content-Type"
 
 
@@ -115,6 +116,7 @@ class HttpApi:
             app.router.add_post(prefix + "/responses", self._responses)
             app.router.add_get(prefix + "/models", self._models)
             app.router.add_get(prefix + "/models/{model_id}", self._model)
+        EmbeddingRoutes(self, read_json).add_to(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         NativeRoutes(self).add_to(app)           # Ollama's and llama.cpp's routes (native.py)
@@ -242,6 +244,11 @@ class HttpApi:
         """The methods, once the model is loaded (Loading before, ShuttingDown after)."""
         return self._serving()
 
+    def strict_names(self) -> tuple:
+        """Under --strict-model, the names a request may give (the model's, its --alias
+        names); else () and any name is answered by the loaded model."""
+        return (self.model_id, *self.cfg.alias) if self.cfg.strict_model else ()
+
     # ------------------------------------------------------------ endpoints
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -281,8 +288,7 @@ class HttpApi:
         answer whole or streamed in the `shapes` of the route. A seed given is choice i's
         seed + i (methods.nth_choice)."""
         methods = self._serving()
-        strict = (self.model_id, *self.cfg.alias) if self.cfg.strict_model else ()
-        req: Translated = translate(await read_json(request), self.model_id, strict)
+        req: Translated = translate(await read_json(request), self.model_id, self.strict_names())
         try:
             params = methods.validate(req.method, req.params)
             answer = shapes(req, self.model_id,

@@ -6,16 +6,17 @@ into a method name and params, then calls:
 
     params = methods.validate(method, raw)             typed params (protocol.py) or an error
     methods.kind(method)                               where it runs:
-      JOB    generate, chat     `submit`: a scheduler Job; the engine thread runs it and its
-                                events (tokens, progress, the completion) come back
+      JOB    generate, chat,    `submit`: a scheduler Job; the engine thread runs it and its
+             embed, rerank      events (tokens, progress, the completion) come back
       ASIDE  tokenize,          `aside`: a pure function of the params, run off the event
              detokenize         loop (tokenizing megabytes must not stall it)
       NOW    status, ping,      `now`: answered on the event loop at once
              cancel
-    completion_result(...)                             the completion map of a Done event
+    job_result(done)                                   the result map of a Done event: a
+                                                       completion, or embeddings
 
 Wire params become engine values here (`engine_request`, `sampling_options`), and engine
-results become wire maps here (`completion_result`): the scheduler and the engine never
+results become wire maps here (`job_result`): the scheduler and the engine never
 see protocol types.
 """
 from __future__ import annotations
@@ -24,17 +25,19 @@ import dataclasses
 import os
 from typing import Callable, Union
 
+from ..engine.embed import EmbedInput, Embeddings
+from ..engine.rerank import Ranking, RerankInput
 from ..engine.generate import Completion, TokenEvent
 from ..engine.prompt import ChatInput, Request, TextInput
 from ..engine.sampler import ResponseFormat, SamplingOptions
-from ..protocol import (SEED_LIMIT, ChatParams, DetokenizeParams, GenerateParams, Params,
-                        TokenizeParams, CancelParams, validate_params)
-from .scheduler import Event, Job, Scheduler
+from ..protocol import (SEED_LIMIT, ChatParams, DetokenizeParams, EmbedParams, GenerateParams,
+                        Params, RerankParams, TokenizeParams, CancelParams, validate_params)
+from .scheduler import Done, Event, Job, Scheduler
 from .status import StatusReporter
 
 JOB, ASIDE, NOW = "job", "aside", "now"
-KINDS = {"generate": JOB, "chat": JOB, "tokenize": ASIDE, "detokenize": ASIDE,
-         "status": NOW, "ping": NOW, "cancel": NOW}
+KINDS = {"generate": JOB, "chat": JOB, "embed": JOB, "rerank": JOB, "tokenize": ASIDE,
+         "detokenize": ASIDE, "status": NOW, "ping": NOW, "cancel": NOW}
 
 
 def engine_request(params: Union[GenerateParams, ChatParams]) -> Request:
@@ -93,6 +96,31 @@ def completion_result(c: Completion, queue_ms: float, ttft_ms: float) -> dict:
             "usage": usage, "timings": timings, **_optional(c)}
 
 
+def embeddings_result(e: Embeddings, queue_ms: float) -> dict:
+    """The wire map of an embed request's result (docs/protocol.md): the vectors as lists of
+    floats (each a float32 value, exactly)."""
+    return {"embeddings": [v.tolist() for v in e.vectors],
+            "usage": {"prompt_tokens": e.prompt_tokens, "cached_tokens": e.cached_tokens},
+            "timings": {"queue_ms": round(queue_ms, 3), "total_ms": round(e.total_ms, 3)}}
+
+
+def ranking_result(r: Ranking, queue_ms: float) -> dict:
+    """The wire map of a rerank request's result: the top_n best documents, best first."""
+    return {"results": [{"index": i, "relevance_score": s} for i, s in r.best()],
+            "usage": {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens},
+            "timings": {"queue_ms": round(queue_ms, 3), "total_ms": round(r.total_ms, 3)}}
+
+
+def job_result(done: Done) -> dict:
+    """The result map of a finished job: a completion (generate, chat), embeddings or a
+    ranking."""
+    if isinstance(done.completion, Embeddings):
+        return embeddings_result(done.completion, done.queue_ms)
+    if isinstance(done.completion, Ranking):
+        return ranking_result(done.completion, done.queue_ms)
+    return completion_result(done.completion, done.queue_ms, done.ttft_ms)
+
+
 def token_payload(ev: TokenEvent) -> dict:
     """The `token` notification's payload of a TokenEvent."""
     return {"text": ev.text, "ids": list(ev.ids), **_optional(ev)}
@@ -129,11 +157,22 @@ class Methods:
         """Typed params of a request (UnknownMethod, BadRequest, PromptTooLong otherwise)."""
         return validate_params(method, raw, self.engine.vocab_size, self.engine.kv.max_seq)
 
-    def submit(self, conn_id: int, msgid: int, params: Union[GenerateParams, ChatParams],
+    def submit(self, conn_id: int, msgid: int,
+               params: Union[GenerateParams, ChatParams, EmbedParams, RerankParams],
                on_event: Callable[[Event], None], transport: str = "rpc",
                endpoint: str = "") -> Job:
-        """Queue a generate / chat request (QueueFull, ShuttingDown otherwise); both
-        transports submit through here. `transport` and `endpoint` label its metrics."""
+        """Queue a generate / chat / embed / rerank request (QueueFull, ShuttingDown
+        otherwise); every transport submits through here. `transport` and `endpoint` label
+        its metrics."""
+        if isinstance(params, (EmbedParams, RerankParams)):
+            embed = isinstance(params, EmbedParams)
+            request = (EmbedInput(params.inputs, params.dimensions, params.truncate) if embed
+                       else RerankInput(params.query, params.documents, params.top_n))
+            job = Job(conn_id=conn_id, msgid=msgid, request=request, options=None,
+                      stream=False, on_event=on_event, transport=transport,
+                      endpoint=endpoint or ("embed" if embed else "rerank"))
+            self.scheduler.submit(job)
+            return job
         method = "chat" if isinstance(params, ChatParams) else "generate"
         job = Job(conn_id=conn_id, msgid=msgid, request=engine_request(params),
                   options=sampling_options(params, self.max_tokens), stream=params.stream,

@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..engine.embed import Embeddings
+from ..engine.rerank import Ranking
 from .scheduler import Done, Event, Job
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -126,6 +128,13 @@ class Metrics:
             self.requests.labels(job.transport, job.endpoint, final.error.code).inc()
             return
         c = final.completion
+        if isinstance(c, (Embeddings, Ranking)):
+            self.requests.labels(job.transport, job.endpoint, "done").inc()
+            self.prompt_tokens.inc(c.prompt_tokens)
+            self.cached_tokens.inc(c.cached_tokens)
+            self.prefill_tokens.inc(c.prompt_tokens - c.cached_tokens)
+            self.prefill_seconds.observe(c.total_ms / 1000.0)
+            return
         self.requests.labels(job.transport, job.endpoint, c.finish_reason).inc()
         self.prompt_tokens.inc(c.prompt_tokens)
         self.cached_tokens.inc(c.cached_tokens)

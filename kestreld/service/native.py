@@ -74,8 +74,7 @@ class NativeRoutes:
         add_post("/api/chat", self._chat)
         add_post("/api/generate", self._generate)
         add_post("/api/pull", self._pull)
-        for path in ("/api/embed", "/api/embeddings"):
-            add_post(path, self._no_embeddings)
+        add_post("/api/embeddings", self._old_embeddings)
         for path in ("/api/copy", "/api/create", "/api/push"):
             add_post(path, self._manage)
         app.router.add_delete("/api/delete", self._manage)
@@ -176,9 +175,9 @@ class NativeRoutes:
         await response.write_eof()
         return response
 
-    async def _no_embeddings(self, request: web.Request) -> web.Response:
-        raise BadRequest(f"{request.path}: the model this daemon serves makes no embeddings "
-                         f"(an embedding model is not supported yet)")
+    async def _old_embeddings(self, request: web.Request) -> web.Response:
+        raise BadRequest("/api/embeddings (Ollama's deprecated route) is not served: use "
+                         "/api/embed, which takes `input` (a string or a list)")
 
     async def _manage(self, request: web.Request) -> web.Response:
         raise ollama.not_here(f"{request.method} {request.path}")

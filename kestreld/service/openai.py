@@ -53,7 +53,8 @@ class Translated:
 
 # ---------------------------------------------------------------- requests
 
-def _check_object(body) -> dict:
+def check_object(body) -> dict:
+    """The body, if it is a JSON object."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -210,7 +211,7 @@ def messages_of(messages) -> list:
 
 def chat_request(body, model_id: str, strict: tuple = ()) -> Translated:
     """A chat completions request -> the RPC `chat` params (BadRequest naming the field)."""
-    body = _check_object(body)
+    body = check_object(body)
     options, stream, include_usage = _common(body, model_id, strict)
     params = {"messages": messages_of(body.get("messages")), "split_reasoning": True,
               "stream": stream, **options}
@@ -244,7 +245,7 @@ def chat_request(body, model_id: str, strict: tuple = ()) -> Translated:
 
 def completion_request(body, model_id: str, strict: tuple = ()) -> Translated:
     """A (legacy) completions request -> the RPC `generate` params."""
-    body = _check_object(body)
+    body = check_object(body)
     options, stream, include_usage = _common(body, model_id, strict)
     _unsupported(body, "echo", lambda v: v is False)
     _unsupported(body, "suffix", lambda v: v == "")

@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+from ..engine.embed import EmbedInput, Embeddings
 from ..engine.generate import Completion, TokenEvent
+from ..engine.rerank import Ranking, RerankInput
 from ..engine.prompt import Request
 from ..engine.sampler import SamplingOptions
 from ..errors import Cancelled, KestrelError, QueueFull, ShuttingDown, internal
@@ -53,7 +55,7 @@ class Progress:
 
 @dataclass
 class Done:
-    completion: Completion
+    completion: Union[Completion, Embeddings, Ranking]
     queue_ms: float
     ttft_ms: float             # from arrival to the first token
 
@@ -71,8 +73,8 @@ class Job:
     """One generate/chat request on its way through the queue and the engine."""
     conn_id: int
     msgid: int
-    request: Request
-    options: SamplingOptions
+    request: Union[Request, EmbedInput, RerankInput]
+    options: Optional[SamplingOptions]         # None: an embed or rerank request
     stream: bool                               # post a Token event per piece of text
     on_event: Callable[[Event], None]          # runs on the loop thread
     transport: str = "rpc"                     # "rpc" | "http" (metrics, log)
@@ -82,8 +84,15 @@ class Job:
     ahead: int = 0                             # jobs before this one when it was queued
 
 
-def request_log_line(job: Job, c: Completion, queue_ms: float) -> str:
+def request_log_line(job: Job, c: Union[Completion, Embeddings, Ranking],
+                     queue_ms: float) -> str:
     """The one log line of a finished request (counts and times, never prompt text)."""
+    if isinstance(c, (Embeddings, Ranking)):
+        what, n = (("embed", len(c.vectors)) if isinstance(c, Embeddings)
+                   else ("rerank", len(c.scores)))
+        return (f"{what} conn={job.conn_id} msgid={job.msgid} inputs={n} "
+                f"prompt={c.prompt_tokens} cached={c.cached_tokens} queue={queue_ms:.0f}ms "
+                f"total={c.total_ms:.0f}ms")
     decode_s = c.decode_ms / 1000.0
     rate = c.completion_tokens / decode_s if decode_s > 0 else 0.0
     return (f"request conn={job.conn_id} msgid={job.msgid} prompt={c.prompt_tokens} "
@@ -285,6 +294,6 @@ class Scheduler:
             return Failed(internal(e))
         ttft_ms = ((first_token[0] if first_token else time.monotonic()) - job.received) * 1000.0
         log.info(request_log_line(job, c, queue_ms))
-        if c.prefix_event:
+        if isinstance(c, Completion) and c.prefix_event:
             log.info(c.prefix_event)
         return Done(c, queue_ms, ttft_ms)

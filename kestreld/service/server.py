@@ -24,7 +24,7 @@ from ..errors import BadRequest, KestrelError, StartupError, internal
 from ..protocol import (PROGRESS, TOKEN, FrameError, FrameReader, Request, decode_message,
                         encode_notification, encode_response, msgid_of)
 from .config import Config
-from .methods import ASIDE, JOB, Methods, completion_result, token_payload
+from .methods import ASIDE, JOB, Methods, job_result, token_payload
 from .scheduler import Done, Failed, Progress, Token
 
 log = logging.getLogger("kestreld.service.server")
@@ -240,7 +240,7 @@ class Connection(asyncio.Protocol):
                                                                 "total": ev.total}))
         elif isinstance(ev, Done):
             self.jobs.pop(msgid, None)
-            self.reply(msgid, completion_result(ev.completion, ev.queue_ms, ev.ttft_ms))
+            self.reply(msgid, job_result(ev))
         elif isinstance(ev, Failed):
             self.jobs.pop(msgid, None)
             self.reply(msgid, error=ev.error)

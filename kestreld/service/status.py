@@ -13,6 +13,7 @@ from typing import Optional
 import psutil
 
 from .. import __version__
+from ..model.config import POOLINGS, RANK
 from .config import Config
 from ..protocol import PROTOCOL_VERSION
 from ..text.chat import CHATML_FALLBACK
@@ -52,6 +53,8 @@ class StatusReporter:
             "file_bytes": path_bytes(model.path),
             "chat_template_source": model.chat_template_source or CHATML_FALLBACK,
             "vision": model.vision is not None,
+            "pooling": (engine.embedder.pooling
+                        if engine.embedder.pooling in POOLINGS + (RANK,) else None),
         }
 
     def rss_bytes(self) -> int:

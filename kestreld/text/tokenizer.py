@@ -107,7 +107,7 @@ class Tokenizer:
 
     def __init__(self, tok: HFTokenizer, token_bytes: list, bos_id: Optional[int],
                  eos_id: Optional[int], eog_ids: Iterable[int], add_bos: bool,
-                 control_ids: Iterable[int] = ()):
+                 control_ids: Iterable[int] = (), suffix_ids: Iterable[int] = ()):
         self._tok = tok
         self._token_bytes = token_bytes    # id -> the bytes that token decodes to
         # control tokens (<|im_end|>, ...) and unused padding ids: not text, a grammar must
@@ -117,6 +117,9 @@ class Tokenizer:
         self.eos_id = eos_id               # the model's own EOS (the template's eos_token)
         self.eos_ids = frozenset(i for i in {eos_id, *eog_ids} if i is not None)  # stop ids
         self.add_bos = add_bos and bos_id is not None
+        # what the file's post-processor appends to one text (Qwen3-Embedding: <|endoftext|>,
+        # where its vector is pooled); only embeddings add it (a prompt must not end there)
+        self.suffix_ids = tuple(suffix_ids)
 
     # ---- construction -----------------------------------------------------------------
 
@@ -153,7 +156,7 @@ class Tokenizer:
         else:  # whatever tokenizer.json's post-processor does
             add_bos = bos_id is not None and tok.encode("", add_special_tokens=True).ids[:1] == [bos_id]
         control = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
-        return cls(tok, token_bytes, bos_id, eos_id, eog, add_bos, control)
+        return cls(tok, token_bytes, bos_id, eos_id, eog, add_bos, control, _post_suffix(tok))
 
     @classmethod
     def from_gguf_metadata(cls, fields: Mapping[str, Any]) -> "Tokenizer":
@@ -198,8 +201,12 @@ class Tokenizer:
         eog.update(i for i, text in added.items() if text in EOG_TEXTS)
         add_bos = get("tokenizer.ggml.add_bos_token", pre.add_bos)
         control = [i for i, t in enumerate(types) if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_UNUSED)]
-        return cls(tok, _token_bytes_table(vocab, added), bos_id,
-                   get("tokenizer.ggml.eos_token_id"), eog, bool(add_bos), control)
+        eos_id = get("tokenizer.ggml.eos_token_id")
+        # llama.cpp's converter records a post-processor that appends EOS as add_eos_token
+        add_eos = get("tokenizer.ggml.add_eos_token", False)
+        suffix = (eos_id,) if add_eos and eos_id is not None else ()
+        return cls(tok, _token_bytes_table(vocab, added), bos_id, eos_id, eog, bool(add_bos),
+                   control, suffix)
 
     # ---- use --------------------------------------------------------------------------
 
@@ -270,6 +277,17 @@ def _token_bytes_table(vocab: Mapping[str, int], added: Mapping[int, str]) -> li
     for i, text in added.items():
         table[i] = text.encode("utf-8")
     return table
+
+
+def _post_suffix(tok: HFTokenizer) -> tuple:
+    """The ids tokenizer.json's post-processor appends after a text's own (none for most
+    chat models; Qwen3-Embedding's TemplateProcessing appends <|endoftext|>)."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return tuple(full[start + len(plain):])
+    return ()
 
 
 def _is_byte_level(decoder: Mapping) -> bool:

@@ -1,0 +1,143 @@
+"""Embeddings: Kestrel vs llama.cpp, side by side, on the same GGUF file, threads and machine.
+
+    .venv/bin/python bench/embed.py --threads 2            # 1, 16 and 128 inputs
+    .venv/bin/python bench/embed.py --threads 2 --quick    # small sizes, a smoke run
+    .venv/bin/python bench/embed.py --model PATH.gguf      # a real Qwen3-Embedding GGUF
+
+The default model is random weights of Qwen3-Embedding-0.6B's exact shapes (Qwen3-0.6B with
+no output matrix, `pooling_type` LAST, EOS appended to a text), Q8_0, written once into the
+cache (common.SHAPES["qwen3-embedding-0.6b"]). A case is a request of N texts (1, 16, 128)
+whose lengths are drawn uniformly from 32..512 tokens (fresh random texts each repetition,
+the same texts for both engines): Kestrel through `Engine.embed` in-process (the path of the
+RPC method and the HTTP routes, without the transport), llama.cpp through llama-cpp-python's
+`Llama.embed` with embedding=True and the file's pooling, which packs several texts into one
+batch of n_batch tokens (Kestrel runs each text as its own forward: its pass has no mask
+between sequences). Each engine tokenizes the texts itself (the appended EOS included) and
+its own token count gives its tokens/s. The two run alternately (the first one swaps every
+repetition) and the median of the repetitions is reported. Both are warmed up once.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+# runnable from a checkout whether or not the package is installed into the venv
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import open_llama, shaped_path
+
+from kestreld.engine.embed import EmbedInput
+from kestreld.engine.generate import Engine
+from kestreld.model.load import load_model
+from kestreld.service.config import default_cache_dir
+
+LLAMA_CPP_VERSION = "0.3.36"
+FULL = ((1, 32, 512), (16, 32, 512), (128, 32, 512))     # (texts, shortest, longest tokens)
+QUICK = ((1, 32, 64), (16, 32, 64))
+N_BATCH = 2048                  # llama.cpp's batch: several texts per decode
+
+
+def random_texts(rng, tokenizer, n: int, lo: int, hi: int) -> list:
+    """n texts of about lo..hi tokens: random ordinary ids (no special tokens), decoded."""
+    specials = tokenizer.control_ids | tokenizer.eos_ids
+    out = []
+    for length in rng.integers(lo, hi + 1, n):
+        ids = [int(i) for i in rng.integers(0, tokenizer.vocab_size, length * 2)
+               if int(i) not in specials][:length]
+        out.append(tokenizer.decode(ids))
+    return out
+
+
+class Kestrel:
+    def __init__(self, path: str, threads: int, max_seq: int):
+        self.engine = Engine(load_model(path), max_seq=max_seq, threads=threads)
+        self.tokenizer = self.engine.tokenizer
+
+    def embed(self, texts: list) -> tuple:
+        """(seconds, tokens, first vector)."""
+        t0 = time.perf_counter()
+        r = self.engine.embed(EmbedInput(tuple(texts), truncate=True))
+        return time.perf_counter() - t0, r.prompt_tokens, r.vectors[0]
+
+
+class LlamaCpp:
+    def __init__(self, path: str, threads: int, max_seq: int):
+        self.llm = open_llama(path, True, embedding=True, n_ctx=max_seq, n_batch=N_BATCH,
+                              n_ubatch=N_BATCH, n_threads=threads, n_threads_batch=threads,
+                              verbose=False)
+
+    def embed(self, texts: list) -> tuple:
+        t0 = time.perf_counter()
+        vectors, tokens = self.llm.embed(texts, normalize=True, return_count=True)
+        return time.perf_counter() - t0, tokens, np.asarray(vectors[0], np.float32)
+
+
+def llamacpp_available() -> bool:
+    if importlib.util.find_spec("llama_cpp") is None:
+        print(f"llama-cpp-python is not installed: only Kestrel is measured. To compare:\n"
+              f"    {sys.executable} -m pip install llama-cpp-python=={LLAMA_CPP_VERSION}\n"
+              f"(it builds llama.cpp from source, about 10 minutes)", file=sys.stderr)
+        return False
+    return True
+
+
+def fmt(x: float, digits: int = 1) -> str:
+    return "n/a" if x != x else f"{x:.{digits}f}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2, help="threads for both engines (default 2)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, --quick 1)")
+    p.add_argument("--quick", action="store_true", help="small sizes: checks the harness works")
+    p.add_argument("--model", help="an embedding GGUF (default: the random Qwen3-Embedding-"
+                                   "0.6B-shaped Q8_0 file, written once into the cache)")
+    args = p.parse_args(argv)
+    reps = args.reps or (1 if args.quick else 3)
+    path = args.model or shaped_path(default_cache_dir(os.environ), "qwen3-embedding-0.6b", "Q8_0")
+    max_seq = 1024
+    engines = {"kestrel": Kestrel(path, args.threads, max_seq)}
+    if llamacpp_available():
+        engines["llama.cpp"] = LlamaCpp(path, args.threads, N_BATCH)
+    tokenizer = engines["kestrel"].tokenizer
+    rng = np.random.default_rng(0)
+    warm = random_texts(rng, tokenizer, 4, 32, 128)
+    for e in engines.values():
+        e.embed(warm)
+    if "llama.cpp" in engines:      # the same file, the same vector (a check, not a figure)
+        (_, _, a), (_, _, b) = (e.embed(warm[:1]) for e in engines.values())
+        print(f"cosine of the two engines' vectors: {float(a @ b):.5f}", file=sys.stderr)
+    rows = ["| texts | tokens each | engine | inputs/s | tokens/s | Kestrel / llama.cpp |",
+            "|---:|---|---|---:|---:|---:|"]
+    for n, lo, hi in (QUICK if args.quick else FULL):
+        runs = {name: [] for name in engines}
+        order = list(engines)
+        for _ in range(reps):
+            texts = random_texts(rng, tokenizer, n, lo, hi)
+            for name in order:
+                runs[name].append(engines[name].embed(texts))
+            order.reverse()
+        rate = {name: (statistics.median(n / r[0] for r in rs),
+                       statistics.median(r[1] / r[0] for r in rs)) for name, rs in runs.items()}
+        ratio = (rate["kestrel"][1] / rate["llama.cpp"][1] if "llama.cpp" in rate
+                 else float("nan"))
+        for name, (ips, tps) in rate.items():
+            rows.append(f"| {n} | {lo}..{hi} | {name} | {fmt(ips, 2)} | {fmt(tps)} | "
+                        f"{fmt(ratio, 2) if name == 'kestrel' else ''} |")
+        print(f"{n} texts done", file=sys.stderr)
+    print(f"\n{os.path.basename(path)}, threads {args.threads}, median of {reps}; llama.cpp "
+          f"n_batch = n_ubatch = {N_BATCH}"
+          + ("" if "llama.cpp" in engines else ", llama-cpp-python not installed"))
+    print()
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
