@@ -134,7 +134,7 @@ def test_ping_and_status_fields(daemon, client, meta):
                           "context_length": meta["context_length"],
                           "weights": "q8_0", "source_dtype": "q8_0", "weight_types": {"q8_0": 1.0},
                           "file_bytes": os.path.getsize(daemon.model),
-                          "chat_template_source": "gguf", "vision": False}
+                          "chat_template_source": "gguf", "vision": False, "pooling": None}
     assert (s["max_seq"], s["kv_bs"], s["kv_dtype"], s["threads"]) == (512, 32, "q8", 1)
     assert s["kv_bytes_per_token_layer"] == per_token_layer == 408
     assert s["kv_arena_bytes"] == per_token_layer * meta["n_layers"] * 512
@@ -174,7 +174,8 @@ def test_generate_streamed_equals_not_streamed_and_ids(client):
     assert (u["prompt_tokens"], u["completion_tokens"]) == (len(prompt_ids), 8)
     assert u["cached_tokens"] + u["prefill_tokens"] == u["prompt_tokens"]
     assert set(plain.timings) == {"queue_ms", "prefill_ms", "decode_ms", "ttft_ms",
-                                  "prefill_tok_s", "decode_tok_s"}
+                                  "prefill_tok_s", "decode_tok_s", "drafted_tokens",
+                                  "accepted_tokens"}
     assert plain.timings["ttft_ms"] >= plain.timings["queue_ms"]
 
 
