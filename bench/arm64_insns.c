@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "ks_weights.h"
+#include "ks_interleave.h"
 
 enum { M = 64, K = 2048 };
 

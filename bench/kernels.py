@@ -9,7 +9,7 @@
   one buffer of huge pages, as the loader places them (kestreld/model/load.py);
 
 each on the rows as a GGUF file lays them out and, where this CPU has that product, on their
-copy interleaved as the loader makes it (ks_weights.h; 16, 8 or 4 rows a group), one line
+copy interleaved as the loader makes it (ks_interleave.h; 16, 8 or 4 rows a group), one line
 after the other: on a new CPU (an RK3588's A76 cores) they say whether `--no-interleave`
 should be the default there.
 

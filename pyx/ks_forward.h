@@ -44,7 +44,7 @@
 
 #include <stdlib.h>
 #include "ks_common.h"
-#include "ks_weights.h"
+#include "ks_matmul.h"        /* the weight ABI and its products */
 #include "ks_rows.h"
 #include "ks_attention.h"
 #include "ks_moe.h"

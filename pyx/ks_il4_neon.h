@@ -1,7 +1,7 @@
 /* Kestrel kernels: the NEON dotprod products on 4-row interleaved groups (no Python here).
  *
  * On an aarch64 CPU with sdot (Cortex-A76 and later) the loader interleaves matrices by 4 rows
- * (ks_weights.h), so each 4-byte field of a group's block is one 16-byte vector whose lane i is
+ * (ks_interleave.h), so each 4-byte field of a group's block is one 16-byte vector whose lane i is
  * row i's. sdot by lane (vdotq_laneq_s32) multiplies such a vector of codes by one 4-byte chunk
  * of a token's activations and adds row i's chunk product into lane i: a block's 4 row sums
  * come out in the lanes, with no gather of rows and no horizontal adds, and each code vector

@@ -69,20 +69,23 @@ cdef extern from "ks_weights.h" nogil:
         int64_t copy_stride
         int32_t copy_rows
         int32_t copy_release
-    int KS_N_TYPES
-    ctypedef struct ks_type_ops:
-        int type
-    const ks_type_ops *ks_types
+    int KS_TYPE_COUNT
     int ks_type_supported(int type)
     int64_t ks_type_row_bytes(int type, int64_t cols)
     int ks_type_block(int type)
+
+
+cdef extern from "ks_interleave.h" nogil:
+    int ks_il_rows(int type)
+    void ks_interleave_rows(int type, const uint8_t *src, int rows, int cols, uint8_t *dst)
+
+
+cdef extern from "ks_matmul.h" nogil:
     void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float *out)
     void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
                         const int16_t *xh, int n, float *out, int r0, int r1)
     int ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
                              const int16_t *xh, int n, float *out, int r0, int r1)
-    int ks_il_rows(int type)
-    void ks_interleave_rows(int type, const uint8_t *src, int rows, int cols, uint8_t *dst)
 
 
 cdef extern from "ks_forward.h" nogil:

@@ -9,7 +9,7 @@
  * that a token's broadcast 4-byte chunk times them adds row i's chunk product into lane i: no
  * horizontal adds, and the codes are unsigned, as maddubs and vpdpbusd want them (Q6_K's -32
  * comes in through x's half-block sums). The unpacking, the scales and the float epilogue are
- * spent once per KS_TW rows. On an interleaved group (il, ks_weights.h) every one of those
+ * spent once per KS_TW rows. On an interleaved group (il, ks_interleave.h) every one of those
  * transposed dword vectors is a field of the group's block, loaded as it lies. The float side
  * is ks_kquants.h's contract per block, in order: bit-identical to the plain twin at both
  * widths and on both layouts. */

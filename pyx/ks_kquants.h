@@ -594,7 +594,7 @@ KS_INLINE __m256i ks_q6k_isum_t8(const __m256i codes[8], const int8_t *xb, const
 #include "ks_kq_tile.h"
 #undef KS_TW
 
-/* the products on 8-row interleaved groups (ks_weights.h), decode included */
+/* the products on 8-row interleaved groups (ks_interleave.h), decode included */
 static void ks_q4k_matmul_rows_x8(KS_ROWS_PARAMS)
 { ks_kq_matmul_rows_t8(KS_KQ_Q4K, 1, KS_ROWS_ARGS); }
 static void ks_q5k_matmul_rows_x8(KS_ROWS_PARAMS)
@@ -666,7 +666,7 @@ KS_VNNI_TARGET static void ks_q5k_matmul_rows_vnni(KS_ROWS_PARAMS)
 { ks_kq_matmul_rows_t16(KS_KQ_Q5K, 0, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_ROWS_PARAMS)
 { ks_kq_matmul_rows_t16(KS_KQ_Q6K, 0, KS_ROWS_ARGS); }
-/* the same on 16-row interleaved groups (ks_weights.h) */
+/* the same on 16-row interleaved groups (ks_interleave.h) */
 KS_VNNI_TARGET static void ks_q4k_matmul_rows_x16(KS_ROWS_PARAMS)
 { ks_kq_matmul_rows_t16(KS_KQ_Q4K, 1, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q5k_matmul_rows_x16(KS_ROWS_PARAMS)
@@ -736,7 +736,7 @@ static inline void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
 }
 #endif
 
-/* ---- the entry points of each type (the weight ABI's dispatch, ks_weights.h) -------------- */
+/* ---- the entry points of each type (ks_weights.h's table holds them) --------------------- */
 
 #define KS_KQ_ENTRY_POINTS(name, kind)                                                         \
     static inline void ks_##name##_dequant_row(const uint8_t *row, float *out, int k)         \

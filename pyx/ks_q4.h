@@ -22,7 +22,7 @@
  * |isum| <= 32 * 16 * 127 and |xsum| <= 32 * 127, so both convert to float exactly.
  *
  * The three types share every function here (ks_q4x_*, the format a compile-time constant);
- * ks_weights.h calls the per-type entry points at the end of this file.
+ * ks_weights.h's table holds the per-type entry points at the end of this file.
  */
 #ifndef KS_Q4_H
 #define KS_Q4_H
@@ -315,7 +315,7 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 #define KS_TW 8
 #include "ks_q4_tile.h"
 #undef KS_TW
-/* the products on 8-row interleaved groups (ks_weights.h), decode included */
+/* the products on 8-row interleaved groups (ks_interleave.h), decode included */
 static void ks_q4_0_matmul_rows_x8(KS_ROWS_PARAMS)
 { ks_q4x_matmul_rows_t8(KS_Q4X_Q4_0, 1, KS_ROWS_ARGS); }
 static void ks_q4_1_matmul_rows_x8(KS_ROWS_PARAMS)
@@ -360,7 +360,7 @@ KS_VNNI_TARGET static void ks_q4_1_matmul_rows_vnni(KS_ROWS_PARAMS)
 { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_1, 0, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_ROWS_PARAMS)
 { ks_q4x_matmul_rows_t16(KS_Q4X_Q5_0, 0, KS_ROWS_ARGS); }
-/* the same on 16-row interleaved groups (ks_weights.h) */
+/* the same on 16-row interleaved groups (ks_interleave.h) */
 KS_VNNI_TARGET static void ks_q4_0_matmul_rows_x16(KS_ROWS_PARAMS)
 { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_0, 1, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q4_1_matmul_rows_x16(KS_ROWS_PARAMS)

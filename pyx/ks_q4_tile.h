@@ -9,7 +9,7 @@
  * transposing 32 unpacked bytes) and the nibbles split after: dword q's low nibbles are values
  * 4q..4q+3, its high nibbles values 16+4q..16+4q+3. The codes are the unsigned q; the sums start
  * at -8 or -16 times xsum (the code offset), so they are isum. On an interleaved group (il,
- * ks_weights.h) those dwords, the scales and Q5_0's high bits are each one vector as they lie,
+ * ks_interleave.h) those dwords, the scales and Q5_0's high bits are each one vector as they lie,
  * and the transpose goes. The float side is the per-block fma of ks_q4.h's contract, in order:
  * bit-identical to the plain twin at both widths and on both layouts. */
 
@@ -55,7 +55,7 @@ KS_TFN void KS_TN(ks_q4x_codes)(const int f, const uint8_t *const blk[KS_TW], co
     KS_TN(ks_q4x_split)(f, d, qh, c);
 }
 
-/* The codes of one block of an interleaved group of KS_TW rows (ks_weights.h: each field of
+/* The codes of one block of an interleaved group of KS_TW rows (ks_interleave.h: each field of
  * the rows' blocks side by side, at KS_TW times its offset in one row's block), whose dwords
  * are ks_q4x_split's as they lie. */
 KS_TFN void KS_TN(ks_q4x_codes_il)(const int f, const uint8_t *blk, const int Q, KS_TI c[8])

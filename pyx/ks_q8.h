@@ -284,7 +284,7 @@ KS_INLINE __m256 ks_fp16_lanes_t8(const uint8_t *const p[8], int64_t off)
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
 
-/* The 8 fp16 at p as floats (an interleaved group's scales, ks_weights.h) */
+/* The 8 fp16 at p as floats (an interleaved group's scales, ks_interleave.h) */
 KS_INLINE __m256 ks_fp16_vec_t8(const uint8_t *p)
 {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -633,7 +633,7 @@ KS_VNNI_FN __m512 ks_fp16_lanes_t16(const uint8_t *const p[16], int64_t off)
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 }
 
-/* The 16 fp16 at p as floats (an interleaved group's scales, ks_weights.h) */
+/* The 16 fp16 at p as floats (an interleaved group's scales, ks_interleave.h) */
 KS_VNNI_FN __m512 ks_fp16_vec_t16(const uint8_t *p)
 {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
@@ -648,7 +648,7 @@ KS_VNNI_FN __m512 ks_negate_t16(__m512 x)
 
 /* res[j * 16 + i] = out value of row i, token j < T (KS_VNNI_TOKENS or _WIDE); rows >= rv /
  * tokens >= tv repeat the last valid one. xs[t * nb + b] = -128 * (sum of token t's block b).
- * il: w is an interleaved group of 16 rows (ks_weights.h; rows >= rv are its padding): a block's
+ * il: w is an interleaved group of 16 rows (ks_interleave.h; rows >= rv are its padding): a block's
  * 16 scales and its 8 dwords of codes are each one vector as they lie. */
 KS_VNNI_FN void ks_q8_tile16_vnni(const int il, const int T, const uint8_t *w, int64_t w_stride,
                                   int rv, const int8_t *x, const float *xd, const int32_t *xs,

@@ -25,7 +25,7 @@ def quantize_q8_0(const float[:, ::1] x, int8_t[:, ::1] xq, float[:, ::1] xd, in
 
 def compute_types():
     """The GGML type ids the kernels compute on in place (ks_weights.h)."""
-    return tuple(ks_types[i].type for i in range(KS_N_TYPES) if ks_type_supported(ks_types[i].type))
+    return tuple(t for t in range(KS_TYPE_COUNT) if ks_type_supported(t))
 
 
 cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,

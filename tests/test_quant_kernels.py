@@ -201,7 +201,7 @@ def test_model_in_the_type_matches_the_reference(models, qtype, name):
 @pytest.mark.arm64
 def test_every_type_is_interleaved_as_wide_as_the_tiles(vnni):
     """Groups of 16 rows for the AVX512-VNNI tiles, 8 for the AVX2 ones (Q8_0: none, its AVX2
-    tiles keep rows), 4 for NEON's with sdot, none on other CPUs (ks_weights.h)."""
+    tiles keep rows), 4 for NEON's with sdot, none on other CPUs (ks_interleave.h)."""
     every = set(TYPES) | set(kquant_blocks.K_TYPES)
     group = 16 if vnni else {"avx2": 8, "neon-dotprod": 4}.get(K.simd_path(), 0)
     assert {t: K.interleaves(int(t)) for t in every} == \

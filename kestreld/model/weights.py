@@ -48,8 +48,8 @@ def row_bytes(qtype: QType, cols: int) -> int:
 @dataclass(frozen=True)
 class ExpertCopies:
     """Interleaved copies of a stack of MoE experts, which the forward pass makes as each
-    expert is first multiplied (pyx/ks_weights.h, ks_expert_copy), group by group: loading
-    reads no expert, a request reads only the experts it chooses, and an expert's pages in the
+    expert is first multiplied (pyx/ks_expert_copy.h), group by group: loading reads no
+    expert, a request reads only the experts it chooses, and an expert's pages in the
     file's map are released once its copy is whole (`release`), so that the copy takes their
     place in memory rather than adding to it. `data` is anonymous memory that nothing touches
     before a copy is made."""
@@ -115,7 +115,7 @@ class Matrix:
         """This matrix's interleaved copy where the CPU has a product on it (K.interleaves:
         groups of as many rows as its tiles take, 16, 8 or 4), else itself: a new buffer, or
         `out` (C-contiguous uint8 of interleave_shape(), 64-byte aligned), in which the tiles
-        load each block field of a group's rows as one vector (pyx/ks_weights.h gives the
+        load each block field of a group's rows as one vector (pyx/ks_interleave.h gives the
         layout). Same values, same result bits."""
         if self.interleave_shape() is None:
             return self
