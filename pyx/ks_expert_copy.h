@@ -68,8 +68,8 @@ static inline const uint8_t *ks_expert_copy(const ks_type_ops *t, const ks_matri
  * results (every layout gives the same bits). Returns -1 if the copy's memory cannot be had,
  * else 0. */
 static inline int ks_matrix_rows_grouped(const ks_type_ops *t, const ks_matrix *w,
-                                         const uint8_t *data, const int8_t *xq, const float *xd,
-                                         const int16_t *xh, int n, float *out, int r0, int r1)
+                                         const uint8_t *data, const ks_act *x, int n, float *out,
+                                         int r0, int r1)
 {
     uint8_t *groups = malloc((size_t)((r1 - r0 + 3) / 4 * 4) * w->row_stride);
     if (groups == NULL)
@@ -78,7 +78,7 @@ static inline int ks_matrix_rows_grouped(const ks_type_ops *t, const ks_matrix *
         ks_interleave_group(w->type, 4, w->cols / t->block,
                             groups + (int64_t)(r - r0) * w->row_stride,
                             (uint8_t *)data + r * w->row_stride, 0, r1 - r < 4 ? r1 - r : 4, 0);
-    t->rows_il4(groups, w->row_stride, xq, xd, xh, n, w->cols, out + r0, w->rows, 0, r1 - r0);
+    t->rows_il4(groups, w->row_stride, x, n, w->cols, out + r0, w->rows, 0, r1 - r0);
     free(groups);
     return 0;
 }

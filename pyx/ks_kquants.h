@@ -697,12 +697,12 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
     if (n == 1) {
         float xs[nb];
         if (sums)
-            ks_q8_block_sums(xh, xd, nb, xs);
+            ks_q8_block_sums(x->h, x->d, nb, xs);
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
             /* the next tile of this matrix (an MoE expert's ends here), a slice per superblock */
             const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
-            ks_kq_tile(kind, 8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
+            ks_kq_tile(kind, 8, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d,
                        sums ? xs : NULL, 1, nsb, res, next, 8 * w_stride / nsb);
             ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
         }
@@ -714,14 +714,14 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         if (sums)
             for (int t = tb; t < te; t++)
-                ks_q8_block_sums(xh + (int64_t)t * 2 * nb, xd + (int64_t)t * nb, nb,
+                ks_q8_block_sums(x->h + (int64_t)t * 2 * nb, x->d + (int64_t)t * nb, nb,
                                  xs + (t - tb) * nb);
         for (int r = r0; r < r1; r += 4) {
             const int rv = r1 - r < 4 ? r1 - r : 4;
             for (int t = tb; t < te; t += 2) {
                 const int tv = te - t < 2 ? te - t : 2;
                 ks_kq_tile(kind, 4, 2, w + (int64_t)r * w_stride, w_stride, rv,
-                           xq + (int64_t)t * k, xd + (int64_t)t * nb,
+                           x->q + (int64_t)t * k, x->d + (int64_t)t * nb,
                            sums ? xs + (t - tb) * nb : NULL, tv, nsb, res, NULL, 0);
                 ks_q8_store_tile(4, 2, res, out, m, r, rv, t, tv);
             }

@@ -385,13 +385,13 @@ void ks_q4x_matmul_rows(const int f, KS_ROWS_PARAMS)
     if (n == 1) {
         int32_t xs[nb];
         if (KS_Q4X_NEEDS_XSUM(f))
-            ks_q4x_block_sums(xh, nb, xs);
+            ks_q4x_block_sums(x->h, nb, xs);
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
             /* the next tile of this matrix (an MoE expert's ends here), a slice per block */
             const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
-            ks_q4x_tile(f, 8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, xs, 1, nb, res,
-                        next, 8 * w_stride / nb);
+            ks_q4x_tile(f, 8, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d, xs, 1, nb,
+                        res, next, 8 * w_stride / nb);
             ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
         }
         return;
@@ -403,13 +403,13 @@ void ks_q4x_matmul_rows(const int f, KS_ROWS_PARAMS)
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         if (KS_Q4X_NEEDS_XSUM(f))
-            ks_q4x_block_sums(xh + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xs);
+            ks_q4x_block_sums(x->h + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xs);
         for (int r = r0; r < r1; r += 4) {
             const int rv = r1 - r < 4 ? r1 - r : 4;
             for (int t = tb; t < te; t += 2) {
                 const int tv = te - t < 2 ? te - t : 2;
-                ks_q4x_tile(f, 4, 2, w + (int64_t)r * w_stride, w_stride, rv, xq + (int64_t)t * k,
-                            xd + (int64_t)t * nb, xs + (t - tb) * nb, tv, nb, res, NULL, 0);
+                ks_q4x_tile(f, 4, 2, w + (int64_t)r * w_stride, w_stride, rv, x->q + (int64_t)t * k,
+                            x->d + (int64_t)t * nb, xs + (t - tb) * nb, tv, nb, res, NULL, 0);
                 ks_q8_store_tile(4, 2, res, out, m, r, rv, t, tv);
             }
         }

@@ -37,6 +37,7 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
     cdef Py_ssize_t want_rows = (m + group - 1) // group * group if group else m
     cdef int failed = 0
     cdef ks_matrix W
+    cdef ks_act x
     _check_q8_cols(k, "matmul")
     _check_threads(nthreads)
     if not ks_type_supported(qtype):
@@ -63,6 +64,7 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
     cdef int16_t[:, ::1] xh = np.empty((n, k // 16), np.int16)    # xq's half sums
     for it in range(n):
         ks_q8_half_sums(&xq[it, 0], k, &xh[it, 0])
+    x.q, x.d, x.h = &xq[0, 0], &xd[0, 0], &xh[0, 0]
     # runs of output rows, as the forward pass shares them out (the split changes no result)
     rows_per_item = 16 if n == 1 else max(16, min(64, m // (4 * nthreads) // 16 * 16))
     n_items = (m + rows_per_item - 1) // rows_per_item
@@ -70,12 +72,10 @@ cdef int _matmul(const uint8_t[:, ::1] w, int qtype, const int8_t[:, ::1] xq,
         r0 = it * rows_per_item
         r1 = min(m, r0 + rows_per_item)
         if plain:
-            if ks_matrix_rows_plain(&W, 0, &xq[0, 0], &xd[0, 0], &xh[0, 0], <int>n, &out[0, 0],
-                                    <int>r0, <int>r1) < 0:
+            if ks_matrix_rows_plain(&W, 0, &x, <int>n, &out[0, 0], <int>r0, <int>r1) < 0:
                 failed = 1
         else:
-            ks_matrix_rows(&W, 0, &xq[0, 0], &xd[0, 0], &xh[0, 0], <int>n, &out[0, 0], <int>r0,
-                           <int>r1)
+            ks_matrix_rows(&W, 0, &x, <int>n, &out[0, 0], <int>r0, <int>r1)
     if failed:
         raise MemoryError("matmul_plain: no memory to put interleaved rows back")
     return 0
