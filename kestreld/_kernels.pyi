@@ -3,10 +3,9 @@
 # and computes with the GIL released on `nthreads` threads (OpenMP's for the per-op functions,
 # a ks_team of its own for Forward and VisionBlocks); results do not depend on nthreads.
 # Shapes: n tokens, k columns, m weight rows, hd head_dim, kv_bs key block.
-from typing import Optional
-
 import numpy as np
 
+from .engine.forward import Batch
 from .engine.kvcache import KVCache
 from .model.config import ModelConfig
 from .model.weights import ModelWeights
@@ -23,13 +22,10 @@ class Forward:
     working_threads: int
     def __init__(self, config: ModelConfig, weights: ModelWeights, kv: KVCache, max_chunk: int,
                  nthreads: int) -> None: ...
-    def run(self, tokens: np.ndarray, pos0: int, rope_cos: np.ndarray, rope_sin: np.ndarray,
-            logits: np.ndarray, vis_rows: Optional[np.ndarray] = None,
-            vis_embd: Optional[np.ndarray] = None, deep: Optional[np.ndarray] = None,
-            routing: Optional[np.ndarray] = None) -> None:
-        """tokens int32 (n,) at KV rows pos0..; rope_cos/sin (n, hd/2); logits (1 | n, vocab)
-        out; vis_rows int32 (r,), vis_embd (r, hidden), deep (d, r, hidden); routing int32
-        (MoE layers, n, top-k) out."""
+    def run(self, batch: Batch) -> None:
+        """One chunk, ks_batch's fields read from the Batch by name: tokens int32 (n,) at KV
+        rows pos0..; rope_cos/sin (n, hd/2); logits (1 | n, vocab) out; vis_rows int32 (r,),
+        vis_embd (r, hidden), deep (d, r, hidden); routing int32 (MoE layers, n, top-k) out."""
 
 # ---- products and quantization (matmul.pxi, ks_weights.h, ks_q8.h) --------------------------
 

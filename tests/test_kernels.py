@@ -616,6 +616,7 @@ def test_one_forward_for_every_chunking(qwen, nthreads):
 
 def test_forward_rejects_bad_arguments():
     from dataclasses import replace
+    from kestreld.engine.forward import Batch
     from kestreld.engine.kvcache import KVCache
     from kestreld.model.weights import Matrix, QType
     model = tiny_model(np.random.default_rng(1), True)
@@ -625,16 +626,18 @@ def test_forward_rejects_bad_arguments():
     cos = np.zeros((1, c.head_dim // 2), np.float32)
     logits = np.zeros((1, c.vocab), np.float32)
     tok = np.array([1], np.int32)
+    ok = Batch(tokens=tok, pos0=0, rope_cos=cos, rope_sin=cos, logits=logits)
+    fwd.run(ok)
     with pytest.raises(ValueError, match="token"):
-        fwd.run(np.array([c.vocab], np.int32), 0, cos, cos, logits)
+        fwd.run(replace(ok, tokens=np.array([c.vocab], np.int32)))
     with pytest.raises(ValueError, match="do not fit max_seq"):
-        fwd.run(tok, 256, cos, cos, logits)
+        fwd.run(replace(ok, pos0=256))
     with pytest.raises(ValueError, match="logits"):
-        fwd.run(tok, 0, cos, cos, np.zeros((1, c.vocab + 1), np.float32))
+        fwd.run(replace(ok, logits=np.zeros((1, c.vocab + 1), np.float32)))
     with pytest.raises(ValueError, match="rope tables"):
-        fwd.run(tok, 0, np.zeros((2, c.head_dim // 2), np.float32), cos, logits)
+        fwd.run(replace(ok, rope_cos=np.zeros((2, c.head_dim // 2), np.float32)))
     with pytest.raises(ValueError, match="chunk of 17"):
-        fwd.run(np.ones(17, np.int32), 0, cos, cos, logits)
+        fwd.run(replace(ok, tokens=np.ones(17, np.int32)))
     f16 = Matrix(np.zeros((c.hidden, c.hidden * 2), np.uint8), QType.F16, c.hidden, c.hidden)
     bad = replace(model.weights, layers=[replace(model.weights.layers[0], wo=f16)] + model.weights.layers[1:])
     with pytest.raises(ValueError, match="layer 0 wo is F16"):
