@@ -44,7 +44,7 @@ def set_matmul_vnni(enabled: bool) -> bool: ...
 
 class VisionBlocks:
     def __init__(self, blocks: list, n_heads: int, eps: float, deepstack: tuple) -> None:
-        """blocks: kestreld.vision.encoder.VisionBlock, in order; deepstack: the indices of
+        """blocks: kestreld.model.vision_encoder.VisionBlock, in order; deepstack: the indices of
         the blocks whose outputs are DeepStack features."""
     def run(self, x: np.ndarray, rope_cos: np.ndarray, rope_sin: np.ndarray, deep: np.ndarray,
             nthreads: int) -> None:

@@ -790,7 +790,7 @@ def random_vision_blocks(rng, depth, H, ffn):
     """VisionBlocks of random Q8_0 linears (outputs of about unit scale) and norms, and the
     float64 weights they hold: [(VisionBlock, {name: float64 (rows, cols)})]."""
     from kestreld.model.weights import Matrix, QType
-    from kestreld.vision.encoder import VisionBlock
+    from kestreld.model.vision_encoder import VisionBlock
 
     def linear(rows, cols):
         data, q, d = make_q8_weights(rng, rows, cols, scale=1 / (64 * np.sqrt(cols)))
