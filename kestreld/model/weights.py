@@ -1,9 +1,12 @@
 """A model's weights, typed: the Python side of the weight ABI (pyx/ks_weights.h).
 
-Every weight matrix is a `Matrix`: its rows as the file lays them out, its GGML quant type
-and its shape. Where the file holds a type the kernels compute on, `data` is a view of the
-file's memory map (no copy); matrices of different types stand side by side in one model.
-A stack of MoE experts is one Matrix with n_mat > 1. pyx/forward.pxi builds the C structs
+Every weight matrix is a `Matrix`: its GGML quant type, its shape and its bytes. Those are
+the rows as the file lays them out, a view of the file's memory map (no copy) where the file
+holds a type the kernels compute on, or the loader's interleaved copy of them (`interleave`,
+group_rows > 0) where the CPU has a product on interleaved groups: a buffer of its own, the
+map's pages released. Matrices of different types stand side by side in one model. A stack of
+MoE experts is one Matrix with n_mat > 1, its rows in the map, with `ExpertCopies` that the
+forward pass fills as each expert is first chosen. pyx/forward.pxi builds the C structs
 (ks_matrix, ks_layer, ks_model) from these dataclasses by field name.
 
     Q8_0 row of `cols` values = cols/32 blocks of 34 bytes: fp16 scale d, then 32 int8 q;
