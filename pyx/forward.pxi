@@ -1,5 +1,6 @@
 # The forward pass (ks_forward.h) over typed weights: the C structs of the weight ABI
-# (ks_weights.h) are built here from kestreld/model/weights.py's dataclasses, by field name.
+# (ks_weights.h) are built here from kestreld/model/weights.py's dataclasses, and each chunk's
+# ks_batch from kestreld/engine/forward.py's Batch, by field name.
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 
@@ -78,8 +79,8 @@ cdef class Forward:
     caller's and nthreads - 1 started here, which live as long as this object).
 
     Forward(config, weights, kv, max_chunk, nthreads): config a ModelConfig, weights its
-    ModelWeights, kv the KVCache (its arrays are written in place). `run` checks its
-    arguments and runs one chunk; results do not depend on nthreads."""
+    ModelWeights, kv the KVCache (its arrays are written in place). `run` checks a chunk's
+    Batch and runs it; results do not depend on nthreads."""
     cdef ks_model m
     cdef ks_kv kv
     cdef ks_scratch s
@@ -202,18 +203,25 @@ cdef class Forward:
         return ks_scratch_layout(&s, NULL, &self.m, self.max_chunk, self.nthreads,
                                  self.kv.max_seq, self.kv.kv_bs)
 
-    def run(self, const int32_t[::1] tokens, int pos0, const float[:, ::1] rope_cos,
-            const float[:, ::1] rope_sin, float[:, ::1] logits, vis_rows=None, vis_embd=None,
-            deep=None, routing=None, float[:, ::1] hidden=None):
-        """Runs `tokens` (n <= max_chunk) at KV rows pos0 .. pos0 + n - 1 (rows before pos0
-        valid) and stores their KV. rope_cos, rope_sin (n, head_dim/2): each token's rotation.
-        logits: (1, vocab) for the last token's, or (n, vocab) for every token's.
+    def run(self, batch):
+        """Runs one chunk, `batch` a kestreld.engine.forward.Batch (ks_batch's fields, read
+        by name): its `tokens` (n <= max_chunk) at KV rows pos0 .. pos0 + n - 1 (rows before
+        pos0 valid), storing their KV. rope_cos, rope_sin (n, head_dim/2): each token's
+        rotation. logits: (1, vocab) for the last token's, or (n, vocab) for every token's.
         Qwen3-VL: vis_rows (r,) int32 rows of the chunk whose input embeddings are
         vis_embd (r, hidden); deep (d, r, hidden): DeepStack features added to those rows
         after layers 0 .. d-1. routing: None or int32 (MoE layers, n, n_used), filled with
         the experts each token chose. hidden: None, or (1, hidden) / (n, hidden) that
         receives the last / every token's row after the output norm instead of logits
         (embeddings; logits is then not read and may be None)."""
+        cdef const int32_t[::1] tokens = batch.tokens
+        cdef int pos0 = batch.pos0
+        cdef const float[:, ::1] rope_cos = batch.rope_cos
+        cdef const float[:, ::1] rope_sin = batch.rope_sin
+        cdef float[:, ::1] logits = batch.logits
+        cdef float[:, ::1] hidden = batch.hidden
+        vis_rows, vis_embd, deep = batch.vis_rows, batch.vis_embd, batch.deep
+        routing = batch.routing
         cdef ks_batch b
         cdef Py_ssize_t n = tokens.shape[0], i
         cdef const int32_t[::1] vr

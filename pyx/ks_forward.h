@@ -44,7 +44,7 @@
 
 #include <stdlib.h>
 #include "ks_common.h"
-#include "ks_weights.h"
+#include "ks_matmul.h"        /* the weight ABI and its products */
 #include "ks_rows.h"
 #include "ks_attention.h"
 #include "ks_moe.h"
@@ -219,19 +219,18 @@ static inline int ks_items_of(int rows, int per) { return (rows + per - 1) / per
 
 /* Item it of a product's row runs of `per`: out (n, w.rows) rows r0 .. r1 - 1 = matrix e
  * of w . x (n rows, Q8_0 with half sums). */
-static inline void ks_rows_item(const ks_matrix *w, int e, int per, int it, const int8_t *xq,
-                                const float *xd, const int16_t *xh, int n, float *out)
+static inline void ks_rows_item(const ks_matrix *w, int e, int per, int it, const ks_act *x,
+                                int n, float *out)
 {
     const int r0 = it * per, r1 = r0 + per < w->rows ? r0 + per : w->rows;
-    ks_matrix_rows(w, e, xq, xd, xh, n, out, r0, r1);
+    ks_matrix_rows(w, e, x, n, out, r0, r1);
 }
 
 /* A phase of the products of one activation (n rows) by every matrix of ws (up to 3, into
  * outs), their row runs one item space. Like every phase helper below, it leaves its (last)
  * phase open: the caller ends it, after any tail (ks_residual_step). */
 static inline void ks_phase_matmuls(ks_walk *w, const ks_matrix *const *ws, float *const *outs,
-                                    int nw, const int8_t *xq, const float *xd, const int16_t *xh,
-                                    int n, int nthreads)
+                                    int nw, const ks_act *x, int n, int nthreads)
 {
     int per[3], first[4] = {0};
     for (int i = 0; i < nw; i++) {
@@ -242,7 +241,7 @@ static inline void ks_phase_matmuls(ks_walk *w, const ks_matrix *const *ws, floa
         int i = 0;
         while (it >= first[i + 1])
             i++;
-        ks_rows_item(ws[i], 0, per[i], it - first[i], xq, xd, xh, n, outs[i]);
+        ks_rows_item(ws[i], 0, per[i], it - first[i], x, n, outs[i]);
     }
 }
 
@@ -250,12 +249,12 @@ static inline void ks_phase_matmuls(ks_walk *w, const ks_matrix *const *ws, floa
  * swiglu and its Q8_0 block b of each row, finished by the thread that computed them.
  * gate, up (n, F) scratch; hq (n, F), hd (n, F/32), hh (n, F/16) the result. */
 static inline void ks_ffn_block(const ks_matrix *gate, const ks_matrix *up, int e, int b,
-                                const int8_t *xq, const float *xd, const int16_t *xh, int n,
-                                float *g, float *u, int8_t *hq, float *hd, int16_t *hh)
+                                const ks_act *x, int n, float *g, float *u, int8_t *hq,
+                                float *hd, int16_t *hh)
 {
     const int F = gate->rows, r0 = b * KS_FFN_BLOCK;
-    ks_matrix_rows(gate, e, xq, xd, xh, n, g, r0, r0 + KS_FFN_BLOCK);
-    ks_matrix_rows(up, e, xq, xd, xh, n, u, r0, r0 + KS_FFN_BLOCK);
+    ks_matrix_rows(gate, e, x, n, g, r0, r0 + KS_FFN_BLOCK);
+    ks_matrix_rows(up, e, x, n, u, r0, r0 + KS_FFN_BLOCK);
     for (int t = 0; t < n; t++) {
         float *gt = g + (int64_t)t * F + r0;
         ks_swiglu(gt, u + (int64_t)t * F + r0, gt, KS_FFN_BLOCK);
@@ -367,7 +366,7 @@ static inline void ks_phase_qkv(ks_walk *w, const ks_model *M, const ks_layer *L
         const ks_matrix *m = h < nh ? &L->wq : h < nh + nkv ? &L->wk : &L->wv;
         float *out = h < nh ? S->q : h < nh + nkv ? S->k : S->v;
         const int r0 = (h < nh ? h : (h - nh) % nkv) * hd;
-        ks_matrix_rows(m, 0, S->xq, S->xd, S->xh, n, out, r0, r0 + hd);
+        ks_matrix_rows(m, 0, &(ks_act){S->xq, S->xd, S->xh}, n, out, r0, r0 + hd);
         for (int t = 0; t < n; t++)
             ks_head_item(M, L, kv, li, S, B, t, h);
     }
@@ -455,10 +454,9 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
     const int nb = F / KS_FFN_BLOCK;
     KS_EACH_ITEM(w, S->n_active * nb, it) {
         const int e = S->active[it / nb], a = S->offsets[e], c = S->counts[e];
-        ks_ffn_block(&L->gate, &L->up, e, it % nb, S->gxq + (int64_t)a * H,
-                     S->gxd + (int64_t)a * (H / KS_QK), S->gxh + (int64_t)a * (H / 16), c,
-                     S->egate + (int64_t)a * F, S->eup + (int64_t)a * F, S->ehq + (int64_t)a * F,
-                     S->ehd + (int64_t)a * (F / KS_QK), S->ehh + (int64_t)a * (F / 16));
+        const ks_act x = ks_act_rows(S->gxq, S->gxd, S->gxh, a, H);
+        ks_ffn_block(&L->gate, &L->up, e, it % nb, &x, c, S->egate + (int64_t)a * F,
+                     S->eup + (int64_t)a * F, S->ehq + (int64_t)a * F, S->ehd + (int64_t)a * (F / KS_QK), S->ehh + (int64_t)a * (F / 16));
     }
     if (!ks_phase_end(w))
         return 0;
@@ -466,8 +464,8 @@ static inline int ks_phases_moe(ks_walk *w, const ks_model *M, const ks_layer *L
     KS_EACH_ITEM(w, S->n_active * runs, it) {
         const int e = S->active[it / runs], a = S->offsets[e], c = S->counts[e];
         const int r0 = (it % runs) * per, r1 = r0 + per < H ? r0 + per : H;
-        ks_matrix_rows(&L->down, e, S->ehq + (int64_t)a * F, S->ehd + (int64_t)a * (F / KS_QK),
-                       S->ehh + (int64_t)a * (F / 16), c, S->ey + (int64_t)a * H, r0, r1);
+        const ks_act h = ks_act_rows(S->ehq, S->ehd, S->ehh, a, F);
+        ks_matrix_rows(&L->down, e, &h, c, S->ey + (int64_t)a * H, r0, r1);
     }
     return 1;
 }
@@ -479,13 +477,13 @@ static inline int ks_phases_mlp(ks_walk *w, const ks_model *M, const ks_layer *L
 {
     const int nb = M->ffn / KS_FFN_BLOCK;
     KS_EACH_ITEM(w, nb, b)
-        ks_ffn_block(&L->gate, &L->up, 0, b, S->xq, S->xd, S->xh, n, S->gate, S->up, S->sq,
-                     S->sd, S->sh);
+        ks_ffn_block(&L->gate, &L->up, 0, b, &(ks_act){S->xq, S->xd, S->xh}, n, S->gate,
+                     S->up, S->sq, S->sd, S->sh);
     if (!ks_phase_end(w))
         return 0;
     const ks_matrix *down = &L->down;
     float *proj = S->proj;
-    ks_phase_matmuls(w, &down, &proj, 1, S->sq, S->sd, S->sh, n, S->nthreads);
+    ks_phase_matmuls(w, &down, &proj, 1, &(ks_act){S->sq, S->sd, S->sh}, n, S->nthreads);
     return 1;
 }
 
@@ -546,7 +544,7 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
             goto late;
         const ks_matrix *wo = &L->wo;
         float *proj = S->proj;
-        ks_phase_matmuls(w, &wo, &proj, 1, S->sq, S->sd, S->sh, n, nthreads);
+        ks_phase_matmuls(w, &wo, &proj, 1, &(ks_act){S->sq, S->sd, S->sh}, n, nthreads);
         if (!ks_residual_step(w, M, S, B, li, 1, 0, n) || !ks_phase_end(w))
             goto late;
         if (L->router.data) {
@@ -571,7 +569,7 @@ static void ks_forward_walk(ks_team *T, int tid, uint32_t pass)
     }
     const ks_matrix *out = &M->output;
     float *logits = B->logits;
-    ks_phase_matmuls(w, &out, &logits, 1, S->xq, S->xd, S->xh, m, nthreads);
+    ks_phase_matmuls(w, &out, &logits, 1, &(ks_act){S->xq, S->xd, S->xh}, m, nthreads);
     ks_phase_end(w);
 late:
     __atomic_store_n(&T->items[tid], w->taken, __ATOMIC_RELAXED);

@@ -1,7 +1,7 @@
 /* Kestrel kernels: the NEON dotprod products on 4-row interleaved groups (no Python here).
  *
  * On an aarch64 CPU with sdot (Cortex-A76 and later) the loader interleaves matrices by 4 rows
- * (ks_weights.h), so each 4-byte field of a group's block is one 16-byte vector whose lane i is
+ * (ks_interleave.h), so each 4-byte field of a group's block is one 16-byte vector whose lane i is
  * row i's. sdot by lane (vdotq_laneq_s32) multiplies such a vector of codes by one 4-byte chunk
  * of a token's activations and adds row i's chunk product into lane i: a block's 4 row sums
  * come out in the lanes, with no gather of rows and no horizontal adds, and each code vector
@@ -259,19 +259,19 @@ KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
     int32_t xsi[!kq && sums ? tblock * nb : 1];
     float xsf[kq && sums ? tblock * nb : 1], res[4 * KS_IL4_TOKENS];
 #define KS_IL4_TILE(T, t, tv, pf)                                                                \
-    (kq ? ks_kq_tile_il4(kind, T, w + (int64_t)r * w_stride, xq + (int64_t)(t) * k,            \
-                         xd + (int64_t)(t) * nb, sums ? xsf + ((t) - tb) * nb : NULL, tv,      \
+    (kq ? ks_kq_tile_il4(kind, T, w + (int64_t)r * w_stride, x->q + (int64_t)(t) * k,          \
+                         x->d + (int64_t)(t) * nb, sums ? xsf + ((t) - tb) * nb : NULL, tv,    \
                          nb / 8, res, pf)                                                       \
-        : ks_b32_tile_il4(kind, T, w + (int64_t)r * w_stride, xq + (int64_t)(t) * k,           \
-                          xd + (int64_t)(t) * nb, sums ? xsi + ((t) - tb) * nb : NULL, tv, nb, \
+        : ks_b32_tile_il4(kind, T, w + (int64_t)r * w_stride, x->q + (int64_t)(t) * k,         \
+                          x->d + (int64_t)(t) * nb, sums ? xsi + ((t) - tb) * nb : NULL, tv, nb, \
                           res, pf))
     for (int tb = 0; tb < n; tb += tblock) {
         const int te = tb + tblock < n ? tb + tblock : n;
         if (sums && kq)
-            ks_q8_block_sums(xh + (int64_t)tb * 2 * nb, xd + (int64_t)tb * nb, (te - tb) * nb,
+            ks_q8_block_sums(x->h + (int64_t)tb * 2 * nb, x->d + (int64_t)tb * nb, (te - tb) * nb,
                              xsf);
         else if (sums)
-            ks_q4x_block_sums(xh + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xsi);
+            ks_q4x_block_sums(x->h + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xsi);
         for (int r = r0; r < r1; r += 4) {
             const int rv = r1 - r < 4 ? r1 - r : 4;
             if (n == 1) {

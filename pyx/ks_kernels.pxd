@@ -14,6 +14,10 @@ cdef extern from "ks_q8.h" nogil:
     void ks_quantize_row_q8_0(const float *x, int8_t *q, float *d, int16_t *h, int k)
     void ks_q8_half_sums(const int8_t *q, int64_t k, int16_t *h)
     void ks_dequantize_row_q8_0(const uint8_t *w, float *out, int k)
+    ctypedef struct ks_act:
+        const int8_t *q
+        const float *d
+        const int16_t *h
     int ks_set_vnni(int on)
 
 
@@ -69,20 +73,23 @@ cdef extern from "ks_weights.h" nogil:
         int64_t copy_stride
         int32_t copy_rows
         int32_t copy_release
-    int KS_N_TYPES
-    ctypedef struct ks_type_ops:
-        int type
-    const ks_type_ops *ks_types
+    int KS_TYPE_COUNT
     int ks_type_supported(int type)
     int64_t ks_type_row_bytes(int type, int64_t cols)
     int ks_type_block(int type)
-    void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float *out)
-    void ks_matrix_rows(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
-                        const int16_t *xh, int n, float *out, int r0, int r1)
-    int ks_matrix_rows_plain(const ks_matrix *w, int e, const int8_t *xq, const float *xd,
-                             const int16_t *xh, int n, float *out, int r0, int r1)
+
+
+cdef extern from "ks_interleave.h" nogil:
     int ks_il_rows(int type)
     void ks_interleave_rows(int type, const uint8_t *src, int rows, int cols, uint8_t *dst)
+
+
+cdef extern from "ks_matmul.h" nogil:
+    void ks_matrix_dequant_row(const ks_matrix *w, int e, int r, float *out)
+    void ks_matrix_rows(const ks_matrix *w, int e, const ks_act *x, int n, float *out, int r0,
+                        int r1)
+    int ks_matrix_rows_plain(const ks_matrix *w, int e, const ks_act *x, int n, float *out,
+                             int r0, int r1)
 
 
 cdef extern from "ks_forward.h" nogil:

@@ -9,7 +9,7 @@
  * that a token's broadcast 4-byte chunk times them adds row i's chunk product into lane i: no
  * horizontal adds, and the codes are unsigned, as maddubs and vpdpbusd want them (Q6_K's -32
  * comes in through x's half-block sums). The unpacking, the scales and the float epilogue are
- * spent once per KS_TW rows. On an interleaved group (il, ks_weights.h) every one of those
+ * spent once per KS_TW rows. On an interleaved group (il, ks_interleave.h) every one of those
  * transposed dword vectors is a field of the group's block, loaded as it lies. The float side
  * is ks_kquants.h's contract per block, in order: bit-identical to the plain twin at both
  * widths and on both layouts. */
@@ -203,27 +203,27 @@ KS_TFN void KS_TN(ks_kq_matmul_rows)(const int kind, const int il, KS_ROWS_PARAM
 {
     const int nb = k / KS_QK, nsb = k / KS_QK_K, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
     const int q6 = kind == KS_KQ_Q6K;
-    /* Q4_K, Q5_K: the scaled block sums of a token block; Q6_K reads xh */
+    /* Q4_K, Q5_K: the scaled block sums of a token block; Q6_K reads x->h */
     float xs[q6 ? 1 : tblock * nb], res[KS_TW * KS_TTOKENS];
     for (int tb = 0; tb < n; tb += tblock) {
         const int te = tb + tblock < n ? tb + tblock : n;
         if (!q6)
             for (int t = tb; t < te; t++)
-                ks_q8_block_sums(xh + (int64_t)t * 2 * nb, xd + (int64_t)t * nb, nb,
+                ks_q8_block_sums(x->h + (int64_t)t * 2 * nb, x->d + (int64_t)t * nb, nb,
                                  xs + (t - tb) * nb);
         for (int r = r0; r < r1; r += KS_TW) {
             const int rv = r1 - r < KS_TW ? r1 - r : KS_TW;
             if (n == 1) {
                 const uint8_t *next = r + KS_TW < m ? w + (int64_t)(r + KS_TW) * w_stride : NULL;
-                KS_TN(ks_kq_tile)(kind, il, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
-                                  q6 ? NULL : xs, q6 ? xh : NULL, 1, nsb, res, next,
+                KS_TN(ks_kq_tile)(kind, il, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d,
+                                  q6 ? NULL : xs, q6 ? x->h : NULL, 1, nsb, res, next,
                                   KS_TW * w_stride / nsb);
                 ks_q8_store_tile(KS_TW, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
 #define KS_KQ_TILE(TT, t, tv) KS_TN(ks_kq_tile)(kind, il, TT, w + (int64_t)r * w_stride, w_stride, \
-    rv, xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, q6 ? NULL : xs + ((t) - tb) * nb,      \
-    q6 ? xh + (int64_t)(t) * 2 * nb : NULL, tv, nsb, res, NULL, 0)
+    rv, x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, q6 ? NULL : xs + ((t) - tb) * nb,  \
+    q6 ? x->h + (int64_t)(t) * 2 * nb : NULL, tv, nsb, res, NULL, 0)
             KS_T_TOKEN_TILES(KS_KQ_TILE)
 #undef KS_KQ_TILE
         }

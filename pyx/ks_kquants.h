@@ -594,7 +594,7 @@ KS_INLINE __m256i ks_q6k_isum_t8(const __m256i codes[8], const int8_t *xb, const
 #include "ks_kq_tile.h"
 #undef KS_TW
 
-/* the products on 8-row interleaved groups (ks_weights.h), decode included */
+/* the products on 8-row interleaved groups (ks_interleave.h), decode included */
 static void ks_q4k_matmul_rows_x8(KS_ROWS_PARAMS)
 { ks_kq_matmul_rows_t8(KS_KQ_Q4K, 1, KS_ROWS_ARGS); }
 static void ks_q5k_matmul_rows_x8(KS_ROWS_PARAMS)
@@ -666,7 +666,7 @@ KS_VNNI_TARGET static void ks_q5k_matmul_rows_vnni(KS_ROWS_PARAMS)
 { ks_kq_matmul_rows_t16(KS_KQ_Q5K, 0, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q6k_matmul_rows_vnni(KS_ROWS_PARAMS)
 { ks_kq_matmul_rows_t16(KS_KQ_Q6K, 0, KS_ROWS_ARGS); }
-/* the same on 16-row interleaved groups (ks_weights.h) */
+/* the same on 16-row interleaved groups (ks_interleave.h) */
 KS_VNNI_TARGET static void ks_q4k_matmul_rows_x16(KS_ROWS_PARAMS)
 { ks_kq_matmul_rows_t16(KS_KQ_Q4K, 1, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q5k_matmul_rows_x16(KS_ROWS_PARAMS)
@@ -697,12 +697,12 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
     if (n == 1) {
         float xs[nb];
         if (sums)
-            ks_q8_block_sums(xh, xd, nb, xs);
+            ks_q8_block_sums(x->h, x->d, nb, xs);
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
             /* the next tile of this matrix (an MoE expert's ends here), a slice per superblock */
             const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
-            ks_kq_tile(kind, 8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd,
+            ks_kq_tile(kind, 8, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d,
                        sums ? xs : NULL, 1, nsb, res, next, 8 * w_stride / nsb);
             ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
         }
@@ -714,14 +714,14 @@ KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         if (sums)
             for (int t = tb; t < te; t++)
-                ks_q8_block_sums(xh + (int64_t)t * 2 * nb, xd + (int64_t)t * nb, nb,
+                ks_q8_block_sums(x->h + (int64_t)t * 2 * nb, x->d + (int64_t)t * nb, nb,
                                  xs + (t - tb) * nb);
         for (int r = r0; r < r1; r += 4) {
             const int rv = r1 - r < 4 ? r1 - r : 4;
             for (int t = tb; t < te; t += 2) {
                 const int tv = te - t < 2 ? te - t : 2;
                 ks_kq_tile(kind, 4, 2, w + (int64_t)r * w_stride, w_stride, rv,
-                           xq + (int64_t)t * k, xd + (int64_t)t * nb,
+                           x->q + (int64_t)t * k, x->d + (int64_t)t * nb,
                            sums ? xs + (t - tb) * nb : NULL, tv, nsb, res, NULL, 0);
                 ks_q8_store_tile(4, 2, res, out, m, r, rv, t, tv);
             }
@@ -736,7 +736,7 @@ static inline void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
 }
 #endif
 
-/* ---- the entry points of each type (the weight ABI's dispatch, ks_weights.h) -------------- */
+/* ---- the entry points of each type (ks_weights.h's table holds them) --------------------- */
 
 #define KS_KQ_ENTRY_POINTS(name, kind)                                                         \
     static inline void ks_##name##_dequant_row(const uint8_t *row, float *out, int k)         \

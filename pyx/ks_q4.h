@@ -22,7 +22,7 @@
  * |isum| <= 32 * 16 * 127 and |xsum| <= 32 * 127, so both convert to float exactly.
  *
  * The three types share every function here (ks_q4x_*, the format a compile-time constant);
- * ks_weights.h calls the per-type entry points at the end of this file.
+ * ks_weights.h's table holds the per-type entry points at the end of this file.
  */
 #ifndef KS_Q4_H
 #define KS_Q4_H
@@ -315,7 +315,7 @@ KS_INLINE void ks_q4x_tile(const int f, const int R, const int T, const uint8_t 
 #define KS_TW 8
 #include "ks_q4_tile.h"
 #undef KS_TW
-/* the products on 8-row interleaved groups (ks_weights.h), decode included */
+/* the products on 8-row interleaved groups (ks_interleave.h), decode included */
 static void ks_q4_0_matmul_rows_x8(KS_ROWS_PARAMS)
 { ks_q4x_matmul_rows_t8(KS_Q4X_Q4_0, 1, KS_ROWS_ARGS); }
 static void ks_q4_1_matmul_rows_x8(KS_ROWS_PARAMS)
@@ -360,7 +360,7 @@ KS_VNNI_TARGET static void ks_q4_1_matmul_rows_vnni(KS_ROWS_PARAMS)
 { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_1, 0, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q5_0_matmul_rows_vnni(KS_ROWS_PARAMS)
 { ks_q4x_matmul_rows_t16(KS_Q4X_Q5_0, 0, KS_ROWS_ARGS); }
-/* the same on 16-row interleaved groups (ks_weights.h) */
+/* the same on 16-row interleaved groups (ks_interleave.h) */
 KS_VNNI_TARGET static void ks_q4_0_matmul_rows_x16(KS_ROWS_PARAMS)
 { ks_q4x_matmul_rows_t16(KS_Q4X_Q4_0, 1, KS_ROWS_ARGS); }
 KS_VNNI_TARGET static void ks_q4_1_matmul_rows_x16(KS_ROWS_PARAMS)
@@ -385,13 +385,13 @@ void ks_q4x_matmul_rows(const int f, KS_ROWS_PARAMS)
     if (n == 1) {
         int32_t xs[nb];
         if (KS_Q4X_NEEDS_XSUM(f))
-            ks_q4x_block_sums(xh, nb, xs);
+            ks_q4x_block_sums(x->h, nb, xs);
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
             /* the next tile of this matrix (an MoE expert's ends here), a slice per block */
             const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
-            ks_q4x_tile(f, 8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, xs, 1, nb, res,
-                        next, 8 * w_stride / nb);
+            ks_q4x_tile(f, 8, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d, xs, 1, nb,
+                        res, next, 8 * w_stride / nb);
             ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
         }
         return;
@@ -403,13 +403,13 @@ void ks_q4x_matmul_rows(const int f, KS_ROWS_PARAMS)
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         if (KS_Q4X_NEEDS_XSUM(f))
-            ks_q4x_block_sums(xh + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xs);
+            ks_q4x_block_sums(x->h + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xs);
         for (int r = r0; r < r1; r += 4) {
             const int rv = r1 - r < 4 ? r1 - r : 4;
             for (int t = tb; t < te; t += 2) {
                 const int tv = te - t < 2 ? te - t : 2;
-                ks_q4x_tile(f, 4, 2, w + (int64_t)r * w_stride, w_stride, rv, xq + (int64_t)t * k,
-                            xd + (int64_t)t * nb, xs + (t - tb) * nb, tv, nb, res, NULL, 0);
+                ks_q4x_tile(f, 4, 2, w + (int64_t)r * w_stride, w_stride, rv, x->q + (int64_t)t * k,
+                            x->d + (int64_t)t * nb, xs + (t - tb) * nb, tv, nb, res, NULL, 0);
                 ks_q8_store_tile(4, 2, res, out, m, r, rv, t, tv);
             }
         }

@@ -9,7 +9,7 @@
  * transposing 32 unpacked bytes) and the nibbles split after: dword q's low nibbles are values
  * 4q..4q+3, its high nibbles values 16+4q..16+4q+3. The codes are the unsigned q; the sums start
  * at -8 or -16 times xsum (the code offset), so they are isum. On an interleaved group (il,
- * ks_weights.h) those dwords, the scales and Q5_0's high bits are each one vector as they lie,
+ * ks_interleave.h) those dwords, the scales and Q5_0's high bits are each one vector as they lie,
  * and the transpose goes. The float side is the per-block fma of ks_q4.h's contract, in order:
  * bit-identical to the plain twin at both widths and on both layouts. */
 
@@ -55,7 +55,7 @@ KS_TFN void KS_TN(ks_q4x_codes)(const int f, const uint8_t *const blk[KS_TW], co
     KS_TN(ks_q4x_split)(f, d, qh, c);
 }
 
-/* The codes of one block of an interleaved group of KS_TW rows (ks_weights.h: each field of
+/* The codes of one block of an interleaved group of KS_TW rows (ks_interleave.h: each field of
  * the rows' blocks side by side, at KS_TW times its offset in one row's block), whose dwords
  * are ks_q4x_split's as they lie. */
 KS_TFN void KS_TN(ks_q4x_codes_il)(const int f, const uint8_t *blk, const int Q, KS_TI c[8])
@@ -135,18 +135,19 @@ KS_TFN void KS_TN(ks_q4x_matmul_rows)(const int f, const int il, KS_ROWS_PARAMS)
     float res[KS_TW * KS_TTOKENS];
     for (int tb = 0; tb < n; tb += tblock) {
         const int te = tb + tblock < n ? tb + tblock : n;
-        ks_q4x_block_sums(xh + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xs);
+        ks_q4x_block_sums(x->h + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xs);
         for (int r = r0; r < r1; r += KS_TW) {
             const int rv = r1 - r < KS_TW ? r1 - r : KS_TW;
             if (n == 1) {
                 const uint8_t *next = r + KS_TW < m ? w + (int64_t)(r + KS_TW) * w_stride : NULL;
-                KS_TN(ks_q4x_tile)(f, il, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, xs,
-                                   1, nb, res, next, KS_TW * w_stride / nb);
+                KS_TN(ks_q4x_tile)(f, il, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d,
+                                   xs, 1, nb, res, next, KS_TW * w_stride / nb);
                 ks_q8_store_tile(KS_TW, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
 #define KS_Q4X_TILE(TT, t, tv) KS_TN(ks_q4x_tile)(f, il, TT, w + (int64_t)r * w_stride, w_stride, \
-    rv, xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res, NULL, 0)
+    rv, x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res,  \
+    NULL, 0)
             KS_T_TOKEN_TILES(KS_Q4X_TILE)
 #undef KS_Q4X_TILE
         }

@@ -84,32 +84,44 @@ static inline int32_t ks_dot_block_plain(const int8_t *restrict w, const int8_t 
     return s;
 }
 
+/* A chunk's activations as the products read them: n rows of k values quantized by
+ * ks_quantize_row_q8_0, codes q (n, k) int8, scales d (n, k/32) and half sums h (n, k/16). */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int16_t *h;
+} ks_act;
+
+/* The activations from row t of q, d, h, rows of k values. */
+static inline ks_act ks_act_rows(const int8_t *q, const float *d, const int16_t *h, int64_t t,
+                                 int64_t k)
+{
+    return (ks_act){q + t * k, d + t * (k / KS_QK), h + t * (k / 16)};
+}
+
 /* The parameters of every type's product (ks_rows_fn of ks_weights.h): rows [r0, r1) of
- * out (n, m) = w (m, k) . xq (n, k)^T, w rows w_stride bytes apart, xq's rows quantized by
- * ks_quantize_row_q8_0 (codes xq, scales xd (n, k/32), half sums xh (n, k/16)); and passing
- * them on. */
-#define KS_ROWS_PARAMS const uint8_t *w, int64_t w_stride, const int8_t *xq, const float *xd, \
-                       const int16_t *xh, int n, int k, float *out, int m, int r0, int r1
-#define KS_ROWS_ARGS w, w_stride, xq, xd, xh, n, k, out, m, r0, r1
+ * out (n, m) = w (m, k) . x (n, k)^T, w rows w_stride bytes apart; and passing them on. */
+#define KS_ROWS_PARAMS const uint8_t *w, int64_t w_stride, const ks_act *x, int n, int k, \
+                       float *out, int m, int r0, int r1
+#define KS_ROWS_ARGS w, w_stride, x, n, k, out, m, r0, r1
 
 /* The plain C product of every weight type, the reference its SIMD paths must equal (it
- * sums the codes itself where its type needs their sum, not reading xh, so the tests that
- * compare the two check xh too). For each
+ * sums the codes itself where its type needs their sum, not reading x->h, so the tests that
+ * compare the two check x->h too). For each
  * (row, token) the accumulator starts at 0 and takes, activation block b by block in order,
- * acc = STEP(row, b, xq block b, its scale, acc): the type's exact integer block sum and its
+ * acc = STEP(row, b, x->q block b, its scale, acc): the type's exact integer block sum and its
  * fixed float epilogue (each type's header says it). */
 #define KS_PLAIN_MATMUL_ROWS(name, STEP)                                                        \
     static void name(KS_ROWS_PARAMS)                                                            \
     {                                                                                           \
-        (void)xh;                                                                               \
         const int nb = k / KS_QK;                                                               \
         for (int r = r0; r < r1; r++) {                                                         \
             const uint8_t *wr = w + (int64_t)r * w_stride;                                      \
             for (int t = 0; t < n; t++) {                                                       \
-                const int8_t *xt = xq + (int64_t)t * k;                                         \
+                const int8_t *xt = x->q + (int64_t)t * k;                                       \
                 float acc = 0.0f;                                                               \
                 for (int b = 0; b < nb; b++)                                                    \
-                    acc = STEP(wr, b, xt + b * KS_QK, xd[(int64_t)t * nb + b], acc);            \
+                    acc = STEP(wr, b, xt + b * KS_QK, x->d[(int64_t)t * nb + b], acc);          \
                 out[(int64_t)t * m + r] = acc;                                                  \
             }                                                                                   \
         }                                                                                       \
@@ -284,7 +296,7 @@ KS_INLINE __m256 ks_fp16_lanes_t8(const uint8_t *const p[8], int64_t off)
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
 
-/* The 8 fp16 at p as floats (an interleaved group's scales, ks_weights.h) */
+/* The 8 fp16 at p as floats (an interleaved group's scales, ks_interleave.h) */
 KS_INLINE __m256 ks_fp16_vec_t8(const uint8_t *p)
 {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -633,7 +645,7 @@ KS_VNNI_FN __m512 ks_fp16_lanes_t16(const uint8_t *const p[16], int64_t off)
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 }
 
-/* The 16 fp16 at p as floats (an interleaved group's scales, ks_weights.h) */
+/* The 16 fp16 at p as floats (an interleaved group's scales, ks_interleave.h) */
 KS_VNNI_FN __m512 ks_fp16_vec_t16(const uint8_t *p)
 {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
@@ -648,7 +660,7 @@ KS_VNNI_FN __m512 ks_negate_t16(__m512 x)
 
 /* res[j * 16 + i] = out value of row i, token j < T (KS_VNNI_TOKENS or _WIDE); rows >= rv /
  * tokens >= tv repeat the last valid one. xs[t * nb + b] = -128 * (sum of token t's block b).
- * il: w is an interleaved group of 16 rows (ks_weights.h; rows >= rv are its padding): a block's
+ * il: w is an interleaved group of 16 rows (ks_interleave.h; rows >= rv are its padding): a block's
  * 16 scales and its 8 dwords of codes are each one vector as they lie. */
 KS_VNNI_FN void ks_q8_tile16_vnni(const int il, const int T, const uint8_t *w, int64_t w_stride,
                                   int rv, const int8_t *x, const float *xd, const int32_t *xs,
@@ -701,17 +713,17 @@ KS_VNNI_FN void ks_q8_matmul_rows_t16(const int il, KS_ROWS_PARAMS)
         const int te = tb + tblock < n ? tb + tblock : n;
         for (int t = tb; t < te; t++)
             for (int b = 0; b < nb; b++)
-                xs[(t - tb) * nb + b] = -128 * ks_q8_block_sum(xh + (int64_t)t * 2 * nb, b);
+                xs[(t - tb) * nb + b] = -128 * ks_q8_block_sum(x->h + (int64_t)t * 2 * nb, b);
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
             if (n == 1) {      /* decode */
-                ks_q8_tile16_vnni(il, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, xs, 1,
+                ks_q8_tile16_vnni(il, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d, xs, 1,
                                   nb, res);
                 ks_q8_store_tile(16, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
 #define KS_Q8_TILE16(TT, t, tv) ks_q8_tile16_vnni(il, TT, w + (int64_t)r * w_stride, w_stride, rv, \
-    xq + (int64_t)(t) * k, xd + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res)
+    x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res)
             KS_T16_TOKEN_TILES(KS_Q8_TILE16)
 #undef KS_Q8_TILE16
         }
@@ -737,7 +749,7 @@ static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
             const int rv = r1 - r < 8 ? r1 - r : 8;
             /* the next tile of this matrix (an MoE expert's ends here), a slice per block */
             const uint8_t *next = r + 8 < m ? w + (int64_t)(r + 8) * w_stride : NULL;
-            ks_q8_tile(8, 1, w + (int64_t)r * w_stride, w_stride, rv, xq, xd, 1, nb, res,
+            ks_q8_tile(8, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d, 1, nb, res,
                        next, 8 * w_stride / nb);
             ks_q8_store_tile(8, 1, res, out, m, r, rv, 0, 1);
         }
@@ -757,11 +769,11 @@ static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
             for (int t = tb; t < te; t += T) {
                 const int tv = te - t < T ? te - t : T;
 #if defined(KS_AVX2)
-                ks_q8_tile_t8(w + (int64_t)r * w_stride, w_stride, rv, xq + (int64_t)t * k,
-                              xd + (int64_t)t * nb, tv, nb, res_t);
+                ks_q8_tile_t8(w + (int64_t)r * w_stride, w_stride, rv, x->q + (int64_t)t * k,
+                              x->d + (int64_t)t * nb, tv, nb, res_t);
 #else
                 ks_q8_tile(R, T, w + (int64_t)r * w_stride, w_stride, rv,
-                           xq + (int64_t)t * k, xd + (int64_t)t * nb, tv, nb, res_t, NULL, 0);
+                           x->q + (int64_t)t * k, x->d + (int64_t)t * nb, tv, nb, res_t, NULL, 0);
 #endif
                 ks_q8_store_tile(R, T, res_t, out, m, r, rv, t, tv);
             }

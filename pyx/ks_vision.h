@@ -273,13 +273,12 @@ static inline void ks_vnorm_row(const ks_vtower *V, const ks_vpass *P, int t, co
 
 /* A phase of out (n, W.rows) = W . x (Q8_0) + bias, by row runs. */
 static inline void ks_vphase_linear(ks_walk *w, const ks_matrix *W, const float *bias,
-                                    const int8_t *xq, const float *xd, const int16_t *xh, int n,
-                                    float *out, int nthreads)
+                                    const ks_act *x, int n, float *out, int nthreads)
 {
     const int per = ks_rows_per_item(W->rows, n, nthreads), m = W->rows;
     KS_EACH_ITEM(w, ks_items_of(m, per), it) {
         const int r0 = it * per, r1 = r0 + per < m ? r0 + per : m;
-        ks_matrix_rows(W, 0, xq, xd, xh, n, out, r0, r1);
+        ks_matrix_rows(W, 0, x, n, out, r0, r1);
         for (int t = 0; t < n; t++)
             for (int r = r0; r < r1; r++)
                 out[(int64_t)t * m + r] += bias[r];
@@ -302,7 +301,7 @@ static inline void ks_vhead_item(const ks_vtower *V, const ks_vpass *P, int t, i
 static inline void ks_vfc1_block(const ks_vblock *B, const ks_vpass *P, int b)
 {
     const int F = B->fc1.rows, r0 = b * KS_QK;
-    ks_matrix_rows(&B->fc1, 0, P->xq, P->xd, P->xh, P->n, P->h, r0, r0 + KS_QK);
+    ks_matrix_rows(&B->fc1, 0, &(ks_act){P->xq, P->xd, P->xh}, P->n, P->h, r0, r0 + KS_QK);
     for (int t = 0; t < P->n; t++) {
         float *ht = P->h + (int64_t)t * F + r0;
         for (int r = 0; r < KS_QK; r++)
@@ -346,7 +345,7 @@ static void ks_vision_walk(ks_team *T, int tid, uint32_t pass)
         const ks_vblock *B = &V->blocks[bi];
         if (!ks_phase_end(w))
             return;
-        ks_vphase_linear(w, &B->qkv, B->qkv_b, P->xq, P->xd, P->xh, n, P->qkv, nthreads);
+        ks_vphase_linear(w, &B->qkv, B->qkv_b, &(ks_act){P->xq, P->xd, P->xh}, n, P->qkv, nthreads);
         if (!ks_phase_end(w))
             return;
         KS_EACH_ITEM(w, n * 3 * nh, it)
@@ -366,7 +365,7 @@ static void ks_vision_walk(ks_team *T, int tid, uint32_t pass)
                                  P->xd + (int64_t)t * (H / KS_QK), P->xh + (int64_t)t * (H / 16), H);
         if (!ks_phase_end(w))
             return;
-        ks_vphase_linear(w, &B->proj, B->proj_b, P->xq, P->xd, P->xh, n, P->y, nthreads);
+        ks_vphase_linear(w, &B->proj, B->proj_b, &(ks_act){P->xq, P->xd, P->xh}, n, P->y, nthreads);
         if (!ks_phase_end(w))
             return;
         KS_EACH_ITEM(w, n, t) {
@@ -379,7 +378,7 @@ static void ks_vision_walk(ks_team *T, int tid, uint32_t pass)
             ks_vfc1_block(B, P, b);
         if (!ks_phase_end(w))
             return;
-        ks_vphase_linear(w, &B->fc2, B->fc2_b, P->hq, P->hd, P->hh, n, P->y, nthreads);
+        ks_vphase_linear(w, &B->fc2, B->fc2_b, &(ks_act){P->hq, P->hd, P->hh}, n, P->y, nthreads);
         if (!ks_phase_end(w))
             return;
         KS_EACH_ITEM(w, n, t)

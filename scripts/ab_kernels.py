@@ -37,13 +37,16 @@ from ggml_blocks import random_blocks  # tests/: valid blocks of every GGML type
 
 
 def load_build(tag: str, tree: str):
-    """The compiled kernels of the checkout at tree, as a module of its own."""
-    found = [os.path.join(tree, "kestreld", "_kernels" + suffix)
+    """The per-op kernels of the checkout at tree, as a module of its own: its test-only
+    kestreld._kernels_ops, or in a checkout older than that module, kestreld._kernels."""
+    found = [(name, os.path.join(tree, "kestreld", name + suffix))
+             for name in ("_kernels_ops", "_kernels")
              for suffix in importlib.machinery.EXTENSION_SUFFIXES
-             if os.path.exists(os.path.join(tree, "kestreld", "_kernels" + suffix))]
+             if os.path.exists(os.path.join(tree, "kestreld", name + suffix))]
     if not found:
-        sys.exit(f"no kestreld/_kernels module for this Python in {tree}: build it there first")
-    loader = importlib.machinery.ExtensionFileLoader(f"{tag}._kernels", found[0])
+        sys.exit(f"no kestreld/_kernels_ops module for this Python in {tree}: build it there "
+                 "first (KESTREL_TEST_KERNELS=1 python setup.py build_ext --inplace)")
+    loader = importlib.machinery.ExtensionFileLoader(f"{tag}.{found[0][0]}", found[0][1])
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
     loader.exec_module(module)
     return module

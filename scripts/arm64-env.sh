@@ -5,7 +5,8 @@
 # against the root's Python headers and libc, with setup.py's own aarch64 flags.
 #
 #   scripts/arm64-env.sh prepare PYTHON      host packages, binfmt, the root, its venv
-#   scripts/arm64-env.sh build PYTHON        setup.py build_ext --inplace for aarch64
+#   scripts/arm64-env.sh build PYTHON        setup.py build_ext --inplace for aarch64, the
+#                                            test-only per-op modules too
 #   scripts/arm64-env.sh run CPU CMD...      CMD as arm64 in the root, on qemu's -cpu CPU,
 #                                            with this checkout at /src (the working dir)
 #
@@ -183,7 +184,7 @@ build() {
     step build env _PYTHON_HOST_PLATFORM=linux-aarch64 \
         _PYTHON_SYSCONFIGDATA_NAME="${sysdata%.py}" PYTHONPATH="$cross" \
         CC="aarch64-linux-gnu-gcc --sysroot=$ROOT" CFLAGS="-I$ROOT/usr/include/python$pyver" \
-        "$py" setup.py -q build_ext --inplace -j 2
+        KESTREL_TEST_KERNELS=1 "$py" setup.py -q build_ext --inplace -j 2
 }
 
 run() {

@@ -75,10 +75,13 @@ def hf(zoo) -> Transformers:
 @pytest.fixture(params=[True, False], ids=["vnni-if-any", "no-vnni"])
 def vnni(request):
     """Runs a test with the AVX512 paths (VNNI prefill tiles, 16-float attention) on (where
-    the CPU has them) and off; once on other CPUs, which have no such switch."""
-    from kestreld.kernels import K
+    the CPU has them) and off; once on other CPUs, which have no such switch. Both kernel
+    modules, the daemon's and the per-op one, are switched: each has its own copy of the C."""
+    from kestreld.kernels import K, ops
     if not request.param and K.simd_path() != "avx2":
         pytest.skip("no VNNI switch on this CPU: the run with it on covers the path")
     on = K.set_matmul_vnni(request.param)
+    assert ops().set_matmul_vnni(request.param) == on
     yield on
     K.set_matmul_vnni(True)
+    ops().set_matmul_vnni(True)

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from kestreld import kernels
-from kestreld.kernels import K   # build first: python setup.py build_ext --inplace
+from kestreld.kernels import K, ops   # build first: KESTREL_TEST_KERNELS=1 python setup.py ...
+
+O = ops()     # the per-op kernels (the test-only module kestreld._kernels_ops)
 
 pytestmark = pytest.mark.arm64
 
@@ -149,6 +151,8 @@ def test_the_build_for_this_cpu_is_loaded_and_takes_its_simd_path():
     else:
         expected = ("kestreld._kernels", "plain")
     assert (K.__name__, K.simd_path()) == expected
+    assert (O.__name__, O.simd_path()) == (expected[0].replace("_kernels", "_kernels_ops"),
+                                           expected[1])
     kernels.require()
 
 
@@ -161,7 +165,7 @@ def test_quantize_q8_0_matches_reference_exactly(n, k):
     x[0, :QK] = 0.0                                   # all-zero block: d = 0, q = 0
     xq = np.empty((n, k), np.int8)
     xd = np.empty((n, k // QK), np.float32)
-    K.quantize_q8_0(x, xq, xd, 2)
+    O.quantize_q8_0(x, xq, xd, 2)
     q_ref, d_ref = ref_quantize_q8_0(x)
     np.testing.assert_array_equal(xq, q_ref)
     np.testing.assert_array_equal(xd, d_ref)
@@ -174,7 +178,7 @@ def test_quantize_q8_0_rounds_halves_away_from_zero():
     x[0, :6] = [127.0, 2.5, -2.5, 0.5, -0.5, 3.5]
     xq = np.empty((1, QK), np.int8)
     xd = np.empty((1, 1), np.float32)
-    K.quantize_q8_0(x, xq, xd, 1)
+    O.quantize_q8_0(x, xq, xd, 1)
     assert xd[0, 0] == 1.0
     assert xq[0, :6].tolist() == [127, 3, -3, 1, -1, 4]
 
@@ -185,7 +189,7 @@ def quantized_activations(rng, n, k):
     x = rng.standard_normal((n, k)).astype(np.float32)
     xq = np.empty((n, k), np.int8)
     xd = np.empty((n, k // QK), np.float32)
-    K.quantize_q8_0(x, xq, xd, 1)
+    O.quantize_q8_0(x, xq, xd, 1)
     return xq, xd
 
 
@@ -198,17 +202,17 @@ def assert_product_of_every_path(out, want, mag, w, qtype, xq, xd, label: str) -
           f"{(err / np.maximum(mag, 1e-30)).max():.3e}")
     assert np.all(err <= 1e-5 * mag + 1e-30)
     plain = np.full((n, m), np.nan, np.float32)
-    K.matmul_plain(w, int(qtype), xq, xd, plain, 1)
+    O.matmul_plain(w, int(qtype), xq, xd, plain, 1)
     assert np.array_equal(out.view(np.uint32), plain.view(np.uint32)), \
         f"SIMD ({K.simd_path()}) and plain differ in {np.sum(out != plain)} places"
     one = np.full((n, m), np.nan, np.float32)
-    K.matmul(w, int(qtype), xq, xd, one, 1)
+    O.matmul(w, int(qtype), xq, xd, one, 1)
     assert np.array_equal(out.view(np.uint32), one.view(np.uint32))
     group = K.interleaves(int(qtype))
     if group:                                          # the same rows interleaved, both paths
         il = K.interleave_rows(w, int(qtype), xq.shape[1])
         assert il.shape == (-(-m // group) * group, w.shape[1]) and il.ctypes.data % 64 == 0
-        for product in (K.matmul, K.matmul_plain):
+        for product in (O.matmul, O.matmul_plain):
             got = np.full((n, m), np.nan, np.float32)
             product(il, int(qtype), xq, xd, got, 2, True)
             assert np.array_equal(out.view(np.uint32), got.view(np.uint32)), product.__name__
@@ -220,21 +224,21 @@ def test_matmul_reads_read_only_weights_and_rejects_bad_shapes():
     w.setflags(write=False)                            # like a memory-mapped GGUF
     xq, xd = quantized_activations(rng, 2, 64)
     out = np.empty((2, 8), np.float32)
-    K.matmul(w, Q8_0, xq, xd, out, 1)
+    O.matmul(w, Q8_0, xq, xd, out, 1)
     np.testing.assert_allclose(out, ref_matmul_q8_0(wq, wd, xq, xd)[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="out must be"):
-        K.matmul(w, Q8_0, xq, xd, np.empty((2, 7), np.float32), 1)
+        O.matmul(w, Q8_0, xq, xd, np.empty((2, 7), np.float32), 1)
     with pytest.raises(ValueError, match="bytes per row"):
-        K.matmul(np.ascontiguousarray(w[:, :-34]), Q8_0, xq, xd, out, 1)
+        O.matmul(np.ascontiguousarray(w[:, :-34]), Q8_0, xq, xd, out, 1)
     with pytest.raises(ValueError, match="xd must be"):
-        K.matmul(w, Q8_0, xq, xd[:1], out, 1)
+        O.matmul(w, Q8_0, xq, xd[:1], out, 1)
     with pytest.raises(ValueError, match="multiple of 32"):
-        K.matmul_plain(np.ascontiguousarray(w[:, :50]), Q8_0, np.ascontiguousarray(xq[:, :48]),
+        O.matmul_plain(np.ascontiguousarray(w[:, :50]), Q8_0, np.ascontiguousarray(xq[:, :48]),
                             xd, out, 1)
     with pytest.raises(ValueError, match="nthreads"):
-        K.matmul(w, Q8_0, xq, xd, out, 0)
+        O.matmul(w, Q8_0, xq, xd, out, 0)
     with pytest.raises(ValueError, match="weight type"):
-        K.matmul(w, 1, xq, xd, out, 1)          # F16: converted at load, never computed on
+        O.matmul(w, 1, xq, xd, out, 1)          # F16: converted at load, never computed on
 
 
 def test_dequantize_rows_is_an_exact_embedding_lookup():
@@ -242,14 +246,14 @@ def test_dequantize_rows_is_an_exact_embedding_lookup():
     w, wq, wd = make_q8_weights(rng, 50, 96, special_scales=True)
     ids = np.array([3, 0, 49, 3, 17], np.int32)
     out = np.empty((5, 96), np.float32)
-    K.dequantize_rows(w, Q8_0, ids, out)
+    O.dequantize_rows(w, Q8_0, ids, out)
     want = (np.repeat(wd, QK, axis=1) * wq.astype(np.float32))[ids]
     np.testing.assert_array_equal(out, want)
     for bad in (50, -1):
         with pytest.raises(ValueError, match="outside"):
-            K.dequantize_rows(w, Q8_0, np.array([1, bad], np.int32), np.empty((2, 96), np.float32))
+            O.dequantize_rows(w, Q8_0, np.array([1, bad], np.int32), np.empty((2, 96), np.float32))
     with pytest.raises(ValueError, match="one per id"):
-        K.dequantize_rows(w, Q8_0, ids, np.empty((4, 96), np.float32))
+        O.dequantize_rows(w, Q8_0, ids, np.empty((4, 96), np.float32))
 
 
 def test_dequantize_rows_rejects_the_padding_of_an_interleaved_copy():
@@ -263,18 +267,18 @@ def test_dequantize_rows_rejects_the_padding_of_an_interleaved_copy():
     assert il.shape[0] > 50
     ids = np.array([49, 0, 33, 48], np.int32)
     want, got = np.empty((len(ids), 96), np.float32), np.full((len(ids), 96), np.nan, np.float32)
-    K.dequantize_rows(w, Q8_0, ids, want)
-    K.dequantize_rows(il, Q8_0, ids, got, True, 50)
+    O.dequantize_rows(w, Q8_0, ids, want)
+    O.dequantize_rows(il, Q8_0, ids, got, True, 50)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     for bad in range(50, il.shape[0] + 1):     # every padding row, then the first past them
         with pytest.raises(ValueError, match=r"outside \[0, 50\)"):
-            K.dequantize_rows(il, Q8_0, np.array([1, bad], np.int32),
+            O.dequantize_rows(il, Q8_0, np.array([1, bad], np.int32),
                               np.empty((2, 96), np.float32), True, 50)
     with pytest.raises(ValueError, match="needs rows"):
-        K.dequantize_rows(il, Q8_0, ids, got, True)
+        O.dequantize_rows(il, Q8_0, ids, got, True)
     for data, interleaved in ((w, False), (il, True)):
         with pytest.raises(ValueError, match="rows must be"):
-            K.dequantize_rows(data, Q8_0, ids, got, interleaved, 40)
+            O.dequantize_rows(data, Q8_0, ids, got, interleaved, 40)
 
 
 def test_interleave_rows_into_a_given_buffer():
@@ -308,14 +312,14 @@ def test_rmsnorm(n, d):
     x = (rng.standard_normal((n, d)) * 3).astype(np.float32)
     w = rng.uniform(0.5, 1.5, d).astype(np.float32)
     out = np.empty_like(x)
-    K.rmsnorm(x, w, 1e-6, out, 2)
+    O.rmsnorm(x, w, 1e-6, out, 2)
     want = ref_rmsnorm(x, w, 1e-6)
     assert report(f"rmsnorm ({n}, {d})", out, want) < 2e-6
     inplace = x.copy()
-    K.rmsnorm(inplace, w, 1e-6, inplace, 1)          # out aliases x
+    O.rmsnorm(inplace, w, 1e-6, inplace, 1)          # out aliases x
     np.testing.assert_array_equal(inplace, out)
     with pytest.raises(ValueError, match="w must have"):
-        K.rmsnorm(x, w[:-1], 1e-6, out, 1)
+        O.rmsnorm(x, w[:-1], 1e-6, out, 1)
 
 
 @pytest.mark.parametrize("neox", [True, False])
@@ -326,15 +330,15 @@ def test_rope(neox):
     x = rng.standard_normal((n, heads, hd)).astype(np.float32)
     want = ref_rope(x, cos_t, sin_t, pos0, neox)
     got = x.copy()
-    K.rope(got, cos_t, sin_t, pos0, neox, 2)
+    O.rope(got, cos_t, sin_t, pos0, neox, 2)
     assert report(f"rope neox={neox}", got, want) < 1e-6
     one = x.copy()
-    K.rope(one, cos_t, sin_t, pos0, neox, 1)
+    O.rope(one, cos_t, sin_t, pos0, neox, 1)
     np.testing.assert_array_equal(got, one)
     with pytest.raises(ValueError, match="outside the tables"):
-        K.rope(x, cos_t, sin_t, 60, neox, 1)
+        O.rope(x, cos_t, sin_t, 60, neox, 1)
     with pytest.raises(ValueError, match="cos_t and sin_t"):
-        K.rope(x, np.ascontiguousarray(cos_t[:, :8]), sin_t, 0, neox, 1)
+        O.rope(x, np.ascontiguousarray(cos_t[:, :8]), sin_t, 0, neox, 1)
 
 
 def test_swiglu():
@@ -343,16 +347,16 @@ def test_swiglu():
     gate[0, :4] = [-100.0, 100.0, 0.0, -90.0]         # saturated sigmoid both ways
     up = rng.standard_normal((3, 5000)).astype(np.float32)
     out = np.empty_like(gate)
-    K.swiglu(gate, up, out, 2)
+    O.swiglu(gate, up, out, 2)
     g64 = gate.astype(np.float64)
     want = g64 / (1 + np.exp(-g64)) * up
     assert report("swiglu", out, want) < 1e-6
     np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-30)
     inplace = gate.copy()
-    K.swiglu(inplace, up, inplace, 1)                 # out aliases gate
+    O.swiglu(inplace, up, inplace, 1)                 # out aliases gate
     np.testing.assert_array_equal(inplace, out)
     with pytest.raises(ValueError, match="must all be"):
-        K.swiglu(gate, up[:2], out, 1)
+        O.swiglu(gate, up[:2], out, 1)
 
 
 # ---- KV store and attention -------------------------------------------------------------------
@@ -375,7 +379,7 @@ def test_kv_store_quantizes_each_token_and_head_exactly():
     k[2, 1] = 0.0                                     # zero row: scale 0, all q 0
     kq, ks, vq, vs = empty_kv_layer(rng, n_kv, max_seq, hd)
     before = kq.copy()
-    K.kv_store(k, v, kq, ks, vq, vs, pos0, 2)
+    O.kv_store(k, v, kq, ks, vq, vs, pos0, 2)
     for x, xq, xs in ((k, kq, ks), (v, vq, vs)):
         q_ref, s_ref = ref_kv_quantize(x)             # (n, n_kv, hd), (n, n_kv)
         np.testing.assert_array_equal(xq[:, pos0:pos0 + n], q_ref.transpose(1, 0, 2))
@@ -384,22 +388,22 @@ def test_kv_store_quantizes_each_token_and_head_exactly():
     np.testing.assert_array_equal(kq[:, :pos0], before[:, :pos0])
     assert ks[1, pos0 + 2] == 0 and not kq[1, pos0 + 2].any()
     with pytest.raises(ValueError, match="do not fit max_seq=16"):
-        K.kv_store(k, v, kq, ks, vq, vs, 12, 1)
+        O.kv_store(k, v, kq, ks, vq, vs, 12, 1)
     with pytest.raises(ValueError, match="v must be"):
-        K.kv_store(k, np.ascontiguousarray(v[:, :2]), kq, ks, vq, vs, 0, 1)
+        O.kv_store(k, np.ascontiguousarray(v[:, :2]), kq, ks, vq, vs, 0, 1)
 
 
 def store_prompt(rng, n_tokens, n_kv, hd, max_seq):
     kq, ks, vq, vs = empty_kv_layer(rng, n_kv, max_seq, hd)
     k = (rng.standard_normal((n_tokens, n_kv, hd)) * 1.5).astype(np.float32)
     v = rng.standard_normal((n_tokens, n_kv, hd)).astype(np.float32)
-    K.kv_store(k, v, kq, ks, vq, vs, 0, 2)
+    O.kv_store(k, v, kq, ks, vq, vs, 0, 2)
     return kq, ks, vq, vs
 
 
 def run_attention(q, kv, pos0, kv_bs, nthreads):
     out = np.full(q.shape, np.nan, np.float32)
-    K.attention(q, *kv, pos0, 1.0 / np.sqrt(q.shape[2]), kv_bs, out, nthreads)
+    O.attention(q, *kv, pos0, 1.0 / np.sqrt(q.shape[2]), kv_bs, out, nthreads)
     return out
 
 
@@ -472,7 +476,7 @@ def attention_off_and_on(switch, n, pos0, n_heads, n_kv, hd, kv_bs):
 def test_attention_query_tiles_give_the_same_bits(n, pos0, n_heads, n_kv, hd, kv_bs):
     """Tiles of queries share K / V loads but keep each query's arithmetic and its order, so
     attention with tiles equals attention with every query alone, bit for bit (-0.0 included)."""
-    q, kv, alone, tiled, on = attention_off_and_on(K.set_attention_tiles, n, pos0, n_heads,
+    q, kv, alone, tiled, on = attention_off_and_on(O.set_attention_tiles, n, pos0, n_heads,
                                                    n_kv, hd, kv_bs)
     assert on is True
     np.testing.assert_array_equal(tiled.view(np.uint32), alone.view(np.uint32))
@@ -484,7 +488,7 @@ def test_attention_query_tiles_give_the_same_bits(n, pos0, n_heads, n_kv, hd, kv
 def test_attention_wide_vectors_give_the_same_bits(n, pos0, n_heads, n_kv, hd, kv_bs):
     """On AVX512 CPUs attention runs on 16-float vectors (two keys a vector in the scores) with
     each query's arithmetic and its order unchanged, so it equals the 8-float path bit for bit."""
-    _, _, narrow, wide, on = attention_off_and_on(K.set_matmul_vnni, n, pos0, n_heads, n_kv,
+    _, _, narrow, wide, on = attention_off_and_on(O.set_matmul_vnni, n, pos0, n_heads, n_kv,
                                                   hd, kv_bs)
     if not on:
         pytest.skip("no AVX512-VNNI on this CPU: only the 8-float path exists here")
@@ -522,14 +526,14 @@ def test_attention_rejects_bad_arguments():
     q = rng.standard_normal((2, 4, 64)).astype(np.float32)
     out = np.empty_like(q)
     with pytest.raises(ValueError, match="do not fit max_seq=8"):
-        K.attention(q, *kv, 7, 0.125, 32, out, 1)
+        O.attention(q, *kv, 7, 0.125, 32, out, 1)
     with pytest.raises(ValueError, match="power of two"):
-        K.attention(q, *kv, 0, 0.125, 48, out, 1)
+        O.attention(q, *kv, 0, 0.125, 48, out, 1)
     with pytest.raises(ValueError, match="not a multiple of n_kv"):
-        K.attention(rng.standard_normal((2, 3, 64)).astype(np.float32), *kv, 0, 0.125, 32,
+        O.attention(rng.standard_normal((2, 3, 64)).astype(np.float32), *kv, 0, 0.125, 32,
                     np.empty((2, 3, 64), np.float32), 1)
     with pytest.raises(ValueError, match="out must be"):
-        K.attention(q, *kv, 0, 0.125, 32, out[:1], 1)
+        O.attention(q, *kv, 0, 0.125, 32, out[:1], 1)
 
 
 # ---- the forward pass -----------------------------------------------------------------------
@@ -616,6 +620,7 @@ def test_one_forward_for_every_chunking(qwen, nthreads):
 
 def test_forward_rejects_bad_arguments():
     from dataclasses import replace
+    from kestreld.engine.forward import Batch
     from kestreld.engine.kvcache import KVCache
     from kestreld.model.weights import Matrix, QType
     model = tiny_model(np.random.default_rng(1), True)
@@ -625,16 +630,18 @@ def test_forward_rejects_bad_arguments():
     cos = np.zeros((1, c.head_dim // 2), np.float32)
     logits = np.zeros((1, c.vocab), np.float32)
     tok = np.array([1], np.int32)
+    ok = Batch(tokens=tok, pos0=0, rope_cos=cos, rope_sin=cos, logits=logits)
+    fwd.run(ok)
     with pytest.raises(ValueError, match="token"):
-        fwd.run(np.array([c.vocab], np.int32), 0, cos, cos, logits)
+        fwd.run(replace(ok, tokens=np.array([c.vocab], np.int32)))
     with pytest.raises(ValueError, match="do not fit max_seq"):
-        fwd.run(tok, 256, cos, cos, logits)
+        fwd.run(replace(ok, pos0=256))
     with pytest.raises(ValueError, match="logits"):
-        fwd.run(tok, 0, cos, cos, np.zeros((1, c.vocab + 1), np.float32))
+        fwd.run(replace(ok, logits=np.zeros((1, c.vocab + 1), np.float32)))
     with pytest.raises(ValueError, match="rope tables"):
-        fwd.run(tok, 0, np.zeros((2, c.head_dim // 2), np.float32), cos, logits)
+        fwd.run(replace(ok, rope_cos=np.zeros((2, c.head_dim // 2), np.float32)))
     with pytest.raises(ValueError, match="chunk of 17"):
-        fwd.run(np.ones(17, np.int32), 0, cos, cos, logits)
+        fwd.run(replace(ok, tokens=np.ones(17, np.int32)))
     f16 = Matrix(np.zeros((c.hidden, c.hidden * 2), np.uint8), QType.F16, c.hidden, c.hidden)
     bad = replace(model.weights, layers=[replace(model.weights.layers[0], wo=f16)] + model.weights.layers[1:])
     with pytest.raises(ValueError, match="layer 0 wo is F16"):
@@ -726,7 +733,7 @@ def test_gelu(use_erf):
 
 def run_full_attention(q, k, v, scale, nthreads):
     out = np.full_like(q, np.nan)
-    K.full_attention(q, k, v, scale, out, nthreads)
+    O.full_attention(q, k, v, scale, out, nthreads)
     return out
 
 
@@ -772,18 +779,18 @@ def test_full_attention_sees_every_key_and_no_other_head():
 def test_full_attention_rejects_bad_arguments():
     q = np.zeros((4, 2, 16), np.float32)
     with pytest.raises(ValueError, match=r"k must be \(4, 2, 16\) like q"):
-        K.full_attention(q, np.zeros((4, 2, 8), np.float32), q, 1.0, q.copy(), 1)
+        O.full_attention(q, np.zeros((4, 2, 8), np.float32), q, 1.0, q.copy(), 1)
     with pytest.raises(ValueError, match="out must be"):
-        K.full_attention(q, q, q, 1.0, np.zeros((3, 2, 16), np.float32), 1)
+        O.full_attention(q, q, q, 1.0, np.zeros((3, 2, 16), np.float32), 1)
     with pytest.raises(ValueError, match="nthreads"):
-        K.full_attention(q, q, q, 1.0, q.copy(), 0)
+        O.full_attention(q, q, q, 1.0, q.copy(), 0)
 
 
 def random_vision_blocks(rng, depth, H, ffn):
     """VisionBlocks of random Q8_0 linears (outputs of about unit scale) and norms, and the
     float64 weights they hold: [(VisionBlock, {name: float64 (rows, cols)})]."""
     from kestreld.model.weights import Matrix, QType
-    from kestreld.vision.encoder import VisionBlock
+    from kestreld.model.vision_encoder import VisionBlock
 
     def linear(rows, cols):
         data, q, d = make_q8_weights(rng, rows, cols, scale=1 / (64 * np.sqrt(cols)))
@@ -842,9 +849,9 @@ def per_op_vision_blocks(blocks, x, cos, sin, n_heads, eps, deepstack):
 
     def linear(m, bias, a):
         xq, xd = np.empty(a.shape, np.int8), np.empty((a.shape[0], a.shape[1] // QK), np.float32)
-        K.quantize_q8_0(a, xq, xd, 2)
+        O.quantize_q8_0(a, xq, xd, 2)
         out = np.empty((a.shape[0], m.rows), np.float32)
-        K.matmul(m.data, int(m.qtype), xq, xd, out, 2)
+        O.matmul(m.data, int(m.qtype), xq, xd, out, 2)
         out += bias
         return out
 
@@ -853,10 +860,10 @@ def per_op_vision_blocks(blocks, x, cos, sin, n_heads, eps, deepstack):
         K.layernorm(x, b.norm1_w, b.norm1_b, eps, xn, 2)
         qkv = linear(b.qkv, b.qkv_b, xn).reshape(n, 3, n_heads, hd)
         q, k, v = (np.ascontiguousarray(qkv[:, j]) for j in range(3))
-        K.rope(q, cos, sin, 0, True, 2)
-        K.rope(k, cos, sin, 0, True, 2)
+        O.rope(q, cos, sin, 0, True, 2)
+        O.rope(k, cos, sin, 0, True, 2)
         att = np.empty_like(q)
-        K.full_attention(q, k, v, hd ** -0.5, att, 2)
+        O.full_attention(q, k, v, hd ** -0.5, att, 2)
         x += linear(b.proj, b.proj_b, att.reshape(n, H))
         K.layernorm(x, b.norm2_w, b.norm2_b, eps, xn, 2)
         h = linear(b.fc1, b.fc1_b, xn)
@@ -916,12 +923,15 @@ def test_vision_blocks_reject_bad_arguments():
         run.run(x, cs, cs, np.zeros((1, 8, 64), np.float32), 0)
 
 
-def test_the_typed_stub_lists_the_compiled_module():
-    """kestreld/_kernels.pyi names exactly the module's public functions and classes."""
+@pytest.mark.parametrize("module, stub", [(K, "_kernels.pyi"), (O, "_kernels_ops.pyi")],
+                         ids=["daemon", "per-op"])
+def test_the_typed_stub_lists_the_compiled_module(module, stub):
+    """kestreld/_kernels.pyi and _kernels_ops.pyi name exactly their module's public functions
+    and classes."""
     import ast
     import pathlib
-    stub = ast.parse((pathlib.Path(K.__file__).parent / "_kernels.pyi").read_text())
-    declared = {n.name for n in stub.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    public = {n for n in dir(K) if not n.startswith("_") and callable(getattr(K, n))
-              and getattr(getattr(K, n), "__module__", "") == K.__name__}
+    tree = ast.parse((pathlib.Path(module.__file__).parent / stub).read_text())
+    declared = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    public = {n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))
+              and getattr(getattr(module, n), "__module__", "") == module.__name__}
     assert declared == public

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kestreld.kernels import K
+from kestreld.kernels import K, ops
 import kquant_blocks
 import modelgen
 import modelgen_moe
@@ -42,6 +42,8 @@ from kestreld.model.load import interleave_matrices
 from kestreld.model.weights import LayerWeights, Matrix, ModelWeights, MoEWeights
 from metrics import margin_top1_agreement, rel_rms_error
 from test_kernels import assert_product_of_every_path, quantized_activations
+
+O = ops()     # the per-op kernels (the test-only module kestreld._kernels_ops)
 
 K_TYPES = kquant_blocks.K_TYPES
 
@@ -67,13 +69,13 @@ def test_dequantize_rows_equals_gguf_bit_for_bit(qtype, blocks):
         w = kquant_blocks.random_blocks(rng, qtype, m, k, special=blocks == "edge-cases")
     ids = np.array([5, 0, 36, 5, 17, 2], np.int32)
     out = np.full((len(ids), k), np.nan, np.float32)
-    K.dequantize_rows(w, int(qtype), ids, out)
+    O.dequantize_rows(w, int(qtype), ids, out)
     want = dequantized(w, qtype)[ids]
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), \
         f"{np.sum(out.view(np.uint32) != want.view(np.uint32))} values differ"
     if K.interleaves(int(qtype)):                  # the rows read back from interleaved groups
         again = np.full_like(out, np.nan)
-        K.dequantize_rows(K.interleave_rows(w, int(qtype), k), int(qtype), ids, again, True, m)
+        O.dequantize_rows(K.interleave_rows(w, int(qtype), k), int(qtype), ids, again, True, m)
         assert np.array_equal(again.view(np.uint32), out.view(np.uint32))
 
 
@@ -87,7 +89,7 @@ def test_matmul_against_float64_and_plain_twin(qtype, n, m, k, vnni):
     w = kquant_blocks.random_blocks(rng, qtype, m, k, special=True)
     xq, xd = quantized_activations(rng, n, k)
     out = np.full((n, m), np.nan, np.float32)
-    K.matmul(w, int(qtype), xq, xd, out, 2)
+    O.matmul(w, int(qtype), xq, xd, out, 2)
 
     wf = dequantized(w, qtype).astype(np.float64)
     xf = (xq.reshape(n, -1, 32) * xd[:, :, None].astype(np.float64)).reshape(n, k)
@@ -102,9 +104,9 @@ def test_matmul_and_lookup_want_whole_superblocks(qtype):
     w = kquant_blocks.random_blocks(rng, qtype, 4, 256)
     xq, xd = quantized_activations(rng, 2, 288)      # 9 Q8_0 blocks: not a superblock's 8
     with pytest.raises(ValueError, match="multiple of 256"):
-        K.matmul(w, int(qtype), xq, xd, np.empty((2, 4), np.float32), 1)
+        O.matmul(w, int(qtype), xq, xd, np.empty((2, 4), np.float32), 1)
     with pytest.raises(ValueError, match="multiple of 256"):
-        K.dequantize_rows(w, int(qtype), np.zeros(1, np.int32), np.empty((1, 288), np.float32))
+        O.dequantize_rows(w, int(qtype), np.zeros(1, np.int32), np.empty((1, 288), np.float32))
 
 
 # ---- whole models ---------------------------------------------------------------------------

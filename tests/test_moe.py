@@ -34,10 +34,12 @@ from kestreld.engine.sampler import SamplingOptions
 from kestreld.model.gguf_file import GGUFSource
 from kestreld.model.weights import QType
 from kestreld.model.hf_dir import HFSource
-from kestreld.kernels import K
+from kestreld.kernels import K, ops
 from kestreld.model.load import load_model
 from kestreld.errors import ModelLoadError
 from metrics import margin_top1_agreement, rel_rms_error
+
+O = ops()     # the per-op kernels (the test-only module kestreld._kernels_ops)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -90,7 +92,7 @@ def test_moe_route_matches_numpy(norm):
     probs = np.zeros((n, E), np.float32)
     idx = np.zeros((n, k), np.int32)
     w = np.zeros((n, k), np.float32)
-    K.moe_route(x, router, norm, probs, idx, w, 2)
+    O.moe_route(x, router, norm, probs, idx, w, 2)
 
     logits = x.astype(np.float64) @ router.T.astype(np.float64)
     want_p = np.exp(logits - logits.max(1, keepdims=True))
@@ -119,7 +121,7 @@ def test_moe_route_picks_k_experts_from_nan_logits():
     probs = np.zeros((n, E), np.float32)
     idx = np.full((n, k), -7, np.int32)
     w = np.zeros((n, k), np.float32)
-    K.moe_route(x, router, True, probs, idx, w, 1)
+    O.moe_route(x, router, True, probs, idx, w, 1)
     assert ((idx >= 0) & (idx < E)).all()
     np.testing.assert_array_equal(idx[1], [0, 1, 2])   # all 0: the lowest indices
     assert all(len(set(row)) == k for row in idx.tolist())
@@ -133,7 +135,7 @@ def test_moe_group_is_a_stable_sort_by_expert():
     counts, offsets, active = (np.full(E, -1, np.int32) for _ in range(3))
     rows = np.zeros(n * k, np.int32)
     slot_pos = np.zeros((n, k), np.int32)
-    n_active = K.moe_group(top, counts, offsets, rows, slot_pos, active)
+    n_active = O.moe_group(top, counts, offsets, rows, slot_pos, active)
 
     flat = top.ravel()
     order = np.argsort(flat, kind="stable")             # sorted entry -> flat (t, j)
@@ -148,7 +150,7 @@ def test_moe_group_is_a_stable_sort_by_expert():
     np.testing.assert_array_equal(active[:n_active], used)
 
     with pytest.raises(ValueError, match="outside"):
-        K.moe_group(np.full((1, k), E, np.int32), counts, offsets, rows[:k], slot_pos[:1], active)
+        O.moe_group(np.full((1, k), E, np.int32), counts, offsets, rows[:k], slot_pos[:1], active)
 
 
 @pytest.mark.arm64
@@ -160,7 +162,7 @@ def test_combine_matches_numpy():
     top_w = rng.random((n, k)).astype(np.float32)
     out = rng.normal(size=(n, d)).astype(np.float32)
     want = out.astype(np.float64) + np.einsum("tj,tjd->td", top_w, y[slot_pos].astype(np.float64))
-    K.moe_combine(y, slot_pos, top_w, out, 2)
+    O.moe_combine(y, slot_pos, top_w, out, 2)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     print(f"moe_combine: max |out - numpy| {np.abs(out - want).max():.2e}")
 

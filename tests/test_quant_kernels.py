@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from kestreld.kernels import K
+from kestreld.kernels import K, ops
 import modelgen
 import modelgen_moe
 import reference
@@ -32,6 +32,8 @@ from kestreld.model.gguf_file import TENSOR_NAMES, GGUFFile
 from kestreld.model.load import load_model
 from metrics import assert_logits_agree, rel_rms_error
 from test_kernels import assert_product_of_every_path, quantized_activations
+
+O = ops()     # the per-op kernels (the test-only module kestreld._kernels_ops)
 
 QK = 32
 TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0)
@@ -70,14 +72,14 @@ def test_dequantize_rows_equals_gguf(qtype, source):
     want = gguf.quants.dequantize(w, qtype)
     ids = np.array([3, 0, m - 1, 3, 17, 1, 2], np.int32)
     out = np.full((len(ids), k), np.nan, np.float32)
-    K.dequantize_rows(w, int(qtype), ids, out)
+    O.dequantize_rows(w, int(qtype), ids, out)
     assert np.isfinite(want).all()
     np.testing.assert_array_equal(out, want[ids])
     # the same bits, not only equal values (-0.0 stays -0.0)
     assert np.array_equal(out.view(np.uint32), want[ids].astype(np.float32).view(np.uint32))
     if K.interleaves(int(qtype)):                  # the rows read back from interleaved groups
         again = np.full_like(out, np.nan)
-        K.dequantize_rows(K.interleave_rows(w, int(qtype), k), int(qtype), ids, again, True, m)
+        O.dequantize_rows(K.interleave_rows(w, int(qtype), k), int(qtype), ids, again, True, m)
         assert np.array_equal(again.view(np.uint32), out.view(np.uint32))
 
 
@@ -107,7 +109,7 @@ def test_matmul_against_float64_and_plain_twin(qtype, source, n, m, k, vnni):
     w = BLOCK_SOURCES[source](rng, qtype, m, k)
     xq, xd = quantized_activations(rng, n, k)
     out = np.full((n, m), np.nan, np.float32)
-    K.matmul(w, int(qtype), xq, xd, out, 2)
+    O.matmul(w, int(qtype), xq, xd, out, 2)
     want, mag = ref_matmul(w, qtype, xq, xd)
     assert_product_of_every_path(out, want, mag, w, qtype, xq, xd,
                                  f"{qtype.name} {source} n={n} m={m} k={k}, VNNI {vnni}")
@@ -120,9 +122,9 @@ def test_matmul_checks_the_row_bytes_of_the_type(qtype):
     xq, xd = quantized_activations(rng, 2, 64)
     out = np.empty((2, 8), np.float32)
     with pytest.raises(ValueError, match="bytes per row"):
-        K.matmul(np.ascontiguousarray(w[:, :-1]), int(qtype), xq, xd, out, 1)
+        O.matmul(np.ascontiguousarray(w[:, :-1]), int(qtype), xq, xd, out, 1)
     with pytest.raises(ValueError, match="bytes per row"):
-        K.dequantize_rows(np.ascontiguousarray(w[:, :-1]), int(qtype), np.zeros(1, np.int32),
+        O.dequantize_rows(np.ascontiguousarray(w[:, :-1]), int(qtype), np.zeros(1, np.int32),
                           np.empty((1, 64), np.float32))
 
 
@@ -201,7 +203,7 @@ def test_model_in_the_type_matches_the_reference(models, qtype, name):
 @pytest.mark.arm64
 def test_every_type_is_interleaved_as_wide_as_the_tiles(vnni):
     """Groups of 16 rows for the AVX512-VNNI tiles, 8 for the AVX2 ones (Q8_0: none, its AVX2
-    tiles keep rows), 4 for NEON's with sdot, none on other CPUs (ks_weights.h)."""
+    tiles keep rows), 4 for NEON's with sdot, none on other CPUs (ks_interleave.h)."""
     every = set(TYPES) | set(kquant_blocks.K_TYPES)
     group = 16 if vnni else {"avx2": 8, "neon-dotprod": 4}.get(K.simd_path(), 0)
     assert {t: K.interleaves(int(t)) for t in every} == \

@@ -29,7 +29,7 @@ from kestreld.engine.prompt import Prompt
 from kestreld.engine.sampler import SamplingOptions
 from kestreld.vision.images import decode_image, preprocess
 from kestreld.model.load import load_model
-from kestreld.vision.mmproj import PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
+from kestreld.model.mmproj import PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
 from kestreld.errors import BadRequest, ModelLoadError
 from metrics import assert_logits_agree
 

@@ -3,12 +3,14 @@
 `Forward` holds the compiled pass (kestreld._kernels.Forward, pyx/ks_forward.h: every layer,
 dense or MoE, in one pass of its ks_team threads), the RoPE tables and the logits buffer.
 Each call runs n >= 1 tokens at KV rows cache_len .., writes their KV there and appends their
-keys to the KV cache: decode is a call with one token, prefill a call per chunk. What stays in Python is
-only what a chunk needs beyond its ids: its RoPE rows (Qwen3-VL: from M-RoPE positions) and
-its visual tokens' embeddings and DeepStack features.
+keys to the KV cache: decode is a call with one token, prefill a call per chunk. What stays in
+Python is only what a chunk needs beyond its ids, in a `Batch` (ks_batch's Python side): its
+RoPE rows (Qwen3-VL: from M-RoPE positions) and its visual tokens' embeddings and DeepStack
+features.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -23,6 +25,23 @@ def rope_tables(max_pos: int, head_dim: int, theta: float) -> tuple[np.ndarray, 
     inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+@dataclass
+class Batch:
+    """One chunk as the compiled pass takes it: the Python side of ks_batch (pyx/ks_forward.h),
+    read by field name (pyx/forward.pxi). Arrays C-contiguous."""
+    tokens: np.ndarray                    # int32 (n,), n <= max_chunk
+    pos0: int                             # the KV row of tokens[0]; rows before it are valid
+    rope_cos: np.ndarray                  # float32 (n, head_dim/2): each token's rotation
+    rope_sin: np.ndarray
+    logits: Optional[np.ndarray]          # float32 (1, vocab): the last token's; (n, vocab): all
+    vis_rows: Optional[np.ndarray] = None     # Qwen3-VL: int32 (r,) rows fed vis_embd
+    vis_embd: Optional[np.ndarray] = None     # float32 (r, hidden): their input embeddings
+    deep: Optional[np.ndarray] = None         # float32 (d, r, hidden): DeepStack, layers 0..d-1
+    routing: Optional[np.ndarray] = None      # MoE: int32 (MoE layers, n, top-k), filled
+    hidden: Optional[np.ndarray] = None       # float32 (1 | n, hidden): rows after the output
+                                              # norm, filled instead of logits (embeddings)
 
 
 class Forward:
@@ -88,7 +107,8 @@ class Forward:
         logits = self.logits if logits_out is None else logits_out
         if hidden_out is not None:
             logits = None
-        self.compiled.run(tokens, pos0, cos, sin, logits, vis_rows, vis_embd, deep, routing,
-                          hidden_out)
+        self.compiled.run(Batch(tokens=tokens, pos0=pos0, rope_cos=cos, rope_sin=sin,
+                                logits=logits, vis_rows=vis_rows, vis_embd=vis_embd, deep=deep,
+                                routing=routing, hidden=hidden_out))
         self.kv.append(ids if keys is None else keys)
         return logits if hidden_out is None else hidden_out

@@ -77,8 +77,8 @@ class Sampler:
         return self.constraint is not None and self.constraint.finished
 
     def penalize(self, logits: np.ndarray, prompt_ids, generated) -> np.ndarray:
-        """logit_bias, the repeat penalty, then the presence and frequency penalties (a
-        copy when any applies; `logits` is left as it is)."""
+        """logit_bias, the repeat penalty, then the presence and frequency penalties: a new
+        array where any applies, else `logits` itself; `logits` is never changed in place."""
         out = self._repeat_penalty(self._bias(logits), prompt_ids, generated)
         o = self.opts
         if (o.presence_penalty == 0.0 and o.frequency_penalty == 0.0) or not generated:

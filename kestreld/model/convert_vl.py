@@ -34,8 +34,8 @@ from ..errors import ModelLoadError
 from .convert import cache_stem, cached_conversion, find_cached, write_and_close
 from .gguf_file import TENSOR_NAMES as GGUF_NAMES
 from .hf_dir import HFSource
-from ..vision.mmproj import HF_PATCH_KERNEL, PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
-from ..vision.encoder import hf_vision_config
+from .mmproj import HF_PATCH_KERNEL, PATCH_KERNELS, PROJECTOR_TYPE, vision_tensors
+from .vision_encoder import hf_vision_config
 
 log = logging.getLogger("kestreld")
 QT = gguf.GGMLQuantizationType

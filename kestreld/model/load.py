@@ -20,6 +20,8 @@ from ..errors import ModelLoadError
 from .convert import cached_q8_0, find_cached_q8_0
 from .gguf_file import GGUFSource
 from .hf_dir import HFSource, is_qwen3vl_dir
+from .mmproj import load_mmproj
+from .vision_encoder import load_vision
 from ..text.tokenizer import Tokenizer
 from .config import ModelConfig
 from .weights import Q8_BLOCK, LayerWeights, Matrix, ModelWeights, MoEWeights, compute_types
@@ -246,7 +248,6 @@ def _vision(source, path: str, mmproj: Optional[str]):
         if arch != "qwen3vl":
             raise ModelLoadError(f"{mmproj}: the model {path} is {arch}, which takes no "
                                  "images; an mmproj goes with a qwen3vl text GGUF")
-        from ..vision.mmproj import load_mmproj
         return load_mmproj(mmproj, source)
     if arch != "qwen3vl":
         return None
@@ -254,7 +255,6 @@ def _vision(source, path: str, mmproj: Optional[str]):
         log.info("%s holds Qwen3-VL's language model only: images are refused "
                  "(pass its vision projector with --mmproj)", path)
         return None
-    from ..vision.encoder import load_vision
     return load_vision(source)
 
 

@@ -98,6 +98,9 @@ def gguf_to_q8_0(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 
 def dequantize_gguf(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """A GGUF tensor's data -> float32 (rows, cols), for norm vectors and references."""
+    """A GGUF tensor's data, of any type gguf-py dequantizes, as float32: its shape with the
+    last axis in values rather than bytes (the caller reshapes). Every tensor read as floats
+    goes through it: norm vectors, biases, F32 routers, an mmproj's vision weights, the
+    conversions' sources, and the tests' references."""
     return np.asarray(gguf_quants.dequantize(data, qtype), dtype=np.float32)
 

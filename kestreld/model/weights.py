@@ -1,9 +1,12 @@
 """A model's weights, typed: the Python side of the weight ABI (pyx/ks_weights.h).
 
-Every weight matrix is a `Matrix`: its rows as the file lays them out, its GGML quant type
-and its shape. Where the file holds a type the kernels compute on, `data` is a view of the
-file's memory map (no copy); matrices of different types stand side by side in one model.
-A stack of MoE experts is one Matrix with n_mat > 1. pyx/forward.pxi builds the C structs
+Every weight matrix is a `Matrix`: its GGML quant type, its shape and its bytes. Those are
+the rows as the file lays them out, a view of the file's memory map (no copy) where the file
+holds a type the kernels compute on, or the loader's interleaved copy of them (`interleave`,
+group_rows > 0) where the CPU has a product on interleaved groups: a buffer of its own, the
+map's pages released. Matrices of different types stand side by side in one model. A stack of
+MoE experts is one Matrix with n_mat > 1, its rows in the map, with `ExpertCopies` that the
+forward pass fills as each expert is first chosen. pyx/forward.pxi builds the C structs
 (ks_matrix, ks_layer, ks_model) from these dataclasses by field name.
 
     Q8_0 row of `cols` values = cols/32 blocks of 34 bytes: fp16 scale d, then 32 int8 q;
@@ -48,8 +51,8 @@ def row_bytes(qtype: QType, cols: int) -> int:
 @dataclass(frozen=True)
 class ExpertCopies:
     """Interleaved copies of a stack of MoE experts, which the forward pass makes as each
-    expert is first multiplied (pyx/ks_weights.h, ks_expert_copy), group by group: loading
-    reads no expert, a request reads only the experts it chooses, and an expert's pages in the
+    expert is first multiplied (pyx/ks_expert_copy.h), group by group: loading reads no
+    expert, a request reads only the experts it chooses, and an expert's pages in the
     file's map are released once its copy is whole (`release`), so that the copy takes their
     place in memory rather than adding to it. `data` is anonymous memory that nothing touches
     before a copy is made."""
@@ -115,7 +118,7 @@ class Matrix:
         """This matrix's interleaved copy where the CPU has a product on it (K.interleaves:
         groups of as many rows as its tiles take, 16, 8 or 4), else itself: a new buffer, or
         `out` (C-contiguous uint8 of interleave_shape(), 64-byte aligned), in which the tiles
-        load each block field of a group's rows as one vector (pyx/ks_weights.h gives the
+        load each block field of a group's rows as one vector (pyx/ks_interleave.h gives the
         layout). Same values, same result bits."""
         if self.interleave_shape() is None:
             return self

@@ -30,10 +30,10 @@ import math
 import numpy as np
 
 from ..errors import ModelLoadError
-from ..model.gguf_file import GGUFFile
-from .images import ImageSpec
-from ..model.weights import Matrix
-from .encoder import VISUAL, VisionConfig, VisionEncoder, check_vision_config
+from ..vision.images import ImageSpec
+from .gguf_file import GGUFFile
+from .vision_encoder import VISUAL, VisionConfig, VisionEncoder, check_vision_config
+from .weights import Matrix
 
 PROJECTOR_TYPE = "qwen3vl_merger"      # gguf VisionProjectorType.QWEN3VL
 PATCH_KERNELS = ("v.patch_embd.weight", "v.patch_embd.weight.1")   # temporal taps 0 and 1

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ModelLoadError
-from .images import ImageSpec, PreparedImage
 from ..kernels import K
-from ..model.weights import Q8_BLOCK, Matrix, QType
-from ..model.quant import float_to_q8_0
+from ..vision.images import ImageSpec, PreparedImage
+from .quant import float_to_q8_0
+from .weights import Q8_BLOCK, Matrix, QType
 
 LN_EPS = 1e-6
 VISUAL = "model.visual."
