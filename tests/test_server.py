@@ -89,8 +89,10 @@ def wait_idle(client: Client, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-def long_ids(client: Client, n: int) -> list:
-    ids = client.tokenize(STORY * 16)
+def long_ids(client: Client, n: int, title: str) -> list:
+    """n ids of a long story; each title starts a prompt that shares no prefix with another
+    title's (the KV store would make a repeated one a hit, not a long prefill)."""
+    ids = client.tokenize(f"{title}\n\n" + STORY * 16)
     assert len(ids) >= n
     return ids[:n]
 
@@ -343,7 +345,7 @@ def test_slow_reader_gets_its_requests_cancelled_instead_of_buffering():
 # ---------------------------------------------------------------- queue, cancel, disconnect
 
 def test_queue_full_then_cancel_queued_and_running(daemon, client):
-    ids = long_ids(client, 300)
+    ids = long_ids(client, 300, "The first tale")
     raw = Raw(daemon.socket)
     raw.send([0, 1, "generate", [{"ids": ids, "max_tokens": 50}]])
     time.sleep(0.3)
@@ -383,7 +385,7 @@ def test_queue_full_then_cancel_queued_and_running(daemon, client):
 
 def test_status_fast_during_long_prefill_then_disconnect_mid_prefill(daemon, client):
     reference = client.generate(prompt=SHORT + " a city", max_tokens=6)
-    ids = long_ids(client, 450)
+    ids = long_ids(client, 450, "Another tale")
     raw = Raw(daemon.socket)
     raw.send([0, 1, "generate", [{"ids": ids, "max_tokens": 4}]])
     first = raw.read()                               # a prefill progress note (>= 0.25 s in)
