@@ -52,6 +52,7 @@ PENALTY_LIMIT = 2.0           # presence / frequency penalties in [-2, 2], as Op
 # OpenAI's rule for function and response-format names
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("auto", "none", "required")
+ROLES = ("system", "user", "assistant", "tool")   # a chat message's role (the template's words)
 
 
 # ---------------------------------------------------------------- typed parameters
@@ -201,7 +202,9 @@ def _message(name: str, m) -> dict:
         allowed = ", ".join(["role", "content"] + sorted(extra))
         raise BadRequest(f"{name} must be a map with role and content (an assistant's may add "
                          f"tool_calls, a tool's tool_call_id); allowed here: {allowed}, got {keys}")
-    out = {"role": _str(f"{name}.role", role)}
+    if role not in ROLES:
+        raise BadRequest(f"{name}.role must be one of {', '.join(ROLES)}, got {_QUOTE.repr(role)}")
+    out = {"role": role}
     content = m.get("content")
     if "tool_calls" in m:
         out["tool_calls"] = _tool_calls(f"{name}.tool_calls", m["tool_calls"])

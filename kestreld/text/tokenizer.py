@@ -117,6 +117,12 @@ class Tokenizer:
         self.eos_id = eos_id               # the model's own EOS (the template's eos_token)
         self.eos_ids = frozenset(i for i in {eos_id, *eog_ids} if i is not None)  # stop ids
         self.add_bos = add_bos and bos_id is not None
+        # the same tokenizer with control tokens read as text (text/control.py); other
+        # added tokens (Qwen3's <think>, <tool_call>) still match, being text themselves
+        self._plain = HFTokenizer.from_str(tok.to_str())
+        self._plain.encode_special_tokens = True
+        self.control_texts = tuple(t.content for i, t in tok.get_added_tokens_decoder().items()
+                                   if t.special and i in self.control_ids)
 
     # ---- construction -----------------------------------------------------------------
 
@@ -190,8 +196,11 @@ class Tokenizer:
         tok.decoder = decoders.ByteLevel()
         added = {i: tokens[i] for i, t in enumerate(types)
                  if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)}
-        tok.add_special_tokens([AddedToken(text, special=True, normalized=False)
-                                for text in added.values()])
+        # control tokens are special (never text); user-defined ones are text one token long
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(types) if t == _TOKEN_TYPE_CONTROL])
+        tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == _TOKEN_TYPE_USER_DEFINED])
 
         bos_id = get("tokenizer.ggml.bos_token_id")
         eog = {get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id")}
@@ -215,6 +224,11 @@ class Tokenizer:
         if add_special and self.add_bos:
             ids.insert(0, self.bos_id)
         return ids
+
+    def encode_text(self, text: str) -> list:
+        """Token ids of `text` read as text: a control token's text in it (`<|im_end|>`)
+        is tokenized as the characters it is made of."""
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, special tokens included; invalid UTF-8 becomes U+FFFD."""
