@@ -24,6 +24,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 import socket
 import time
 from typing import Optional
@@ -32,7 +33,7 @@ from aiohttp import web
 
 from ..errors import (BadRequest, KestrelError, Loading, MethodNotAllowed, NotFound,
                       PermissionDenied, ShuttingDown, StartupError, TooLarge, Unauthorized,
-                      internal)
+                      UnsupportedMediaType, internal)
 from .config import Config, HttpAddress
 from .methods import Methods, completion_result, token_payload
 from .metrics import CONTENT_TYPE, Metrics
@@ -61,15 +62,37 @@ def read_api_key(path: str) -> str:
     return key
 
 
+# Host and Origin, strictly: a name or an [IPv6], then perhaps a port, and nothing else
+# (`[::1]evil.example` and `localhost:1@evil.example` name no loopback host).
+_HOST = re.compile(r"(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9.-]+))(?::[0-9]{1,5})?")
+_ORIGIN = re.compile(r"https?://(" + _HOST.pattern + ")")
+
+
 def _loopback_host(host: str) -> bool:
     """A Host header naming this machine's loopback: localhost, 127.0.0.0/8 or [::1]."""
-    name = host.rsplit("]", 1)[0].lstrip("[") if host.startswith("[") else host.rsplit(":", 1)[0]
+    m = _HOST.fullmatch(host)
+    if m is None:
+        return False
+    name = m.group(1) or m.group(2)
     if name.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+def _loopback_origin(origin: str) -> bool:
+    """An Origin of a page served from this machine's loopback (http(s), any port)."""
+    m = _ORIGIN.fullmatch(origin)
+    return m is not None and _loopback_host(m.group(1))
+
+
+def _json_content_type(content_type: str) -> bool:
+    """application/json or application/*+json (aiohttp gives the type without parameters)."""
+    kind = content_type.lower()
+    return kind == "application/json" or (kind.startswith("application/")
+                                          and kind.endswith("+json"))
 
 
 def _listening_socket(address: HttpAddress, cfg: Config) -> tuple[socket.socket, Optional[tuple]]:
@@ -181,13 +204,14 @@ class HttpApi:
         return response
 
     def _check_access(self, request: web.Request) -> None:
-        """Host (DNS rebinding), then the API key."""
+        """Host (DNS rebinding), Origin and Content-Type (CSRF), then the API key."""
         sock = request.transport.get_extra_info("socket") if request.transport else None
         over_unix = sock is not None and sock.family == socket.AF_UNIX
         host = request.headers.get("Host")
         if not (self.cfg.http_allow_remote or over_unix or host is None or _loopback_host(host)):
             raise PermissionDenied(f"Host {host[:100]!r} is not a loopback name: the HTTP API "
                                    f"answers only localhost, 127.0.0.1 or [::1]")
+        self._check_browser(request)
         if self.api_key is None or request.method == "OPTIONS" or request.path == "/health":
             return
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
@@ -195,12 +219,32 @@ class HttpApi:
                                                                  self.api_key.encode()):
             raise Unauthorized("missing or wrong API key: send Authorization: Bearer KEY")
 
+    def _check_browser(self, request: web.Request) -> None:
+        """CSRF: any web page may make a browser send a request here (a form, or fetch
+        with a text/plain body: no preflight asked). So a request from a page (it carries
+        Origin) must come from a loopback page or an --http-cors-origin one, and a request
+        with a body must declare it JSON, which no page can do without a preflight."""
+        origin = request.headers.get("Origin")
+        if origin is not None and not (_loopback_origin(origin) or self._cors_listed(origin)):
+            raise PermissionDenied(f"Origin {origin[:100]!r} is not allowed: the HTTP API "
+                                   f"answers pages of loopback origins and --http-cors-origin")
+        if request.method in ("GET", "HEAD", "OPTIONS") or not (
+                request.method == "POST" or request.body_exists):
+            return
+        if not _json_content_type(request.content_type):
+            raise UnsupportedMediaType(
+                f"{request.method} {request.path[:100]}: the body must be sent as "
+                f"Content-Type: application/json, got {request.content_type[:100]!r}")
+
+    def _cors_listed(self, origin: str) -> bool:
+        allowed = self.cfg.http_cors_origin
+        return origin in allowed or "*" in allowed
+
     def _allowed_origin(self, request: web.Request) -> Optional[str]:
         origin = request.headers.get("Origin")
-        allowed = self.cfg.http_cors_origin
-        if origin is None or not allowed:
+        if origin is None or not self._cors_listed(origin):
             return None
-        return origin if origin in allowed or "*" in allowed else None
+        return origin
 
     def _preflight(self, request: web.Request) -> web.Response:
         if self._allowed_origin(request) is None:
