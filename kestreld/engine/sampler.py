@@ -95,10 +95,13 @@ class Sampler:
             recent = list(prompt_ids[max(0, len(prompt_ids) - (REPEAT_WINDOW - len(recent))):]) + recent
         if not recent:
             return logits
-        out = logits.astype(np.float64)    # float64: a tiny penalty must not overflow to inf
+        out = logits.astype(np.float64)
         ids = np.unique(np.asarray(recent, dtype=np.int64))
         vals = out[ids]
-        out[ids] = np.where(vals > 0, vals / p, vals * p)
+        # a tiny penalty (5e-324) overflows even float64: capped at the largest finite value,
+        # as inf would make the sampler's inf - inf a NaN
+        with np.errstate(over="ignore"):
+            out[ids] = np.minimum(np.where(vals > 0, vals / p, vals * p), np.finfo(np.float64).max)
         return out
 
     def choose(self, logits: np.ndarray) -> int:
