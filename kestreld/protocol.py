@@ -48,6 +48,14 @@ MAX_TOOL_CALLS = 64           # calls in one assistant message
 MAX_ID_CHARS = 256            # a tool call's id
 MAX_SCHEMA_DEPTH = 32         # nesting of a JSON schema (response_format, tool parameters)
 MAX_SCHEMA_NODES = 10_000     # values in one JSON schema
+# What the grammar engine (llguidance) follows exactly and within its limits: numbers as
+# doubles (integers beyond 2**53 come out rounded), a few hundred alternatives per choice
+# (its parser keeps at most 2,000 items per step), and regexes of bounded size once their
+# counted repetitions are expanded (a{1000000} exhausts it).
+MAX_SCHEMA_INT = 1 << 53
+MAX_SCHEMA_ALTERNATIVES = 256  # anyOf / oneOf branches
+MAX_SCHEMA_ENUM = 1000         # enum values
+MAX_PATTERN_SIZE = 10_000      # a pattern's characters, counted repetitions expanded
 PENALTY_LIMIT = 2.0           # presence / frequency penalties in [-2, 2], as OpenAI's
 # OpenAI's rule for function and response-format names
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -362,8 +370,14 @@ def _schema_keywords(name: str, s) -> None:
     if "required" in s and not (isinstance(s["required"], list)
                                 and all(isinstance(k, str) for k in s["required"])):
         raise BadRequest(f"{name}.required must be a list of property names")
-    if "enum" in s and not (isinstance(s["enum"], list) and s["enum"]):
-        raise BadRequest(f"{name}.enum must be a non-empty list")
+    if "enum" in s and not (isinstance(s["enum"], list) and 0 < len(s["enum"]) <= MAX_SCHEMA_ENUM):
+        raise BadRequest(f"{name}.enum must be a list of 1..{MAX_SCHEMA_ENUM} values")
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                "enum", "const"):
+        if key in s:
+            _exact_numbers(f"{name}.{key}", s[key])
+    if "pattern" in s:
+        _pattern(f"{name}.pattern", s["pattern"])
     for key in ("properties", "patternProperties", "$defs", "definitions"):
         if key in s:
             if not isinstance(s[key], dict):
@@ -377,8 +391,81 @@ def _schema_keywords(name: str, s) -> None:
         if key in s:
             if not (isinstance(s[key], list) and s[key]):
                 raise BadRequest(f"{name}.{key} must be a non-empty list of schemas")
+            if key != "prefixItems" and len(s[key]) > MAX_SCHEMA_ALTERNATIVES:
+                raise BadRequest(f"{name}.{key}: at most {MAX_SCHEMA_ALTERNATIVES} schemas "
+                                 f"(what the grammar engine follows), got {len(s[key])}")
             for j, sub in enumerate(s[key]):
                 _schema_keywords(f"{name}.{key}[{j}]", sub)
+
+
+def _exact_numbers(name: str, v) -> None:
+    """Numbers in a schema must be ones the grammar engine holds exactly: integers within
+    +-2**53 (it reads numbers as doubles), and any number within the same bound when it
+    is a limit (minimum: 12345678901234567890 would let it write 9223372036854775807)."""
+    if isinstance(v, dict):
+        for k, item in v.items():
+            _exact_numbers(f"{name}.{k}", item)
+    elif isinstance(v, list):
+        for j, item in enumerate(v):
+            _exact_numbers(f"{name}[{j}]", item)
+    elif isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > MAX_SCHEMA_INT:
+        raise BadRequest(f"{name}: {_QUOTE.repr(v)} is beyond +-2**53, which the grammar "
+                         f"engine cannot enforce exactly")
+
+
+def _pattern(name: str, v) -> None:
+    if not isinstance(v, str):
+        raise BadRequest(f"{name} must be a string (a regex), got {_QUOTE.repr(v)}")
+    size = _regex_size(v)
+    if size > MAX_PATTERN_SIZE:
+        raise BadRequest(f"{name}: the regex spans {size} characters once its counted "
+                         f"repetitions are expanded; at most {MAX_PATTERN_SIZE}")
+
+
+_COUNT = re.compile(r"\{(\d+)(,(\d*))?\}")
+
+
+def _regex_size(pattern: str) -> int:
+    """An upper bound of the characters a regex's expansion spells out: each atom counts 1,
+    a group the sum of its content, a counted repetition {n}, {n,}, {n,m} multiplies its
+    atom by its largest count (n + 1 for {n,}), * + ? count once."""
+    stack = [[0, 0]]                      # per open group: [sum of the atoms before, last atom]
+    i = 0
+    while i < len(pattern):
+        c, atom = pattern[i], 1
+        if c == "\\":
+            i += 2
+        elif c == "[":                    # a class: up to its closing ] (not escaped, not first)
+            i += 2 if pattern[i + 1:i + 2] == "^" else 1
+            i += 1 if pattern[i:i + 1] == "]" else 0
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        elif c == "(":
+            stack.append([0, 0])
+            i += 1
+            continue
+        elif c == ")" and len(stack) > 1:
+            total, last = stack.pop()
+            atom = total + last
+            i += 1
+        elif c == "{" and _COUNT.match(pattern, i):
+            m = _COUNT.match(pattern, i)
+            count = int(m.group(3)) if m.group(3) else int(m.group(1)) + (1 if m.group(2) else 0)
+            stack[-1][1] *= max(count, 1)
+            i = m.end()
+            continue
+        elif c in "*+?|^$":
+            i += 1
+            continue
+        else:
+            i += 1
+        top = stack[-1]
+        top[0], top[1] = top[0] + top[1], atom
+    while len(stack) > 1:                 # unclosed groups: the engine refuses the regex itself
+        total, last = stack.pop()
+        stack[-1][1] += total + last
+    return sum(stack[0])
 
 
 def _response_format(v) -> Optional[dict]:
