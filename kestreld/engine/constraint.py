@@ -122,6 +122,7 @@ class Constraint:
 
     def commit(self, token: int) -> None:
         """Advance the grammar by the chosen token (one that `mask` allowed)."""
+        self._first = None
         if not self.matcher.consume_token(token):
             raise BadRequest("response_format / tools: the JSON schema is beyond the grammar "
                              "engine's limits here" + _engine_reason(self.matcher))
