@@ -97,8 +97,7 @@ class Constraint:
             raise BadRequest(f"response_format / tools: the JSON schema cannot be used: "
                              f"{_engine_error(self.matcher.get_error())}")
         self._bits = np.empty((vocab.n_vocab + 31) // 32, dtype=np.int32)
-        self._first = self._allowed()
-        if self._first is None:
+        if self._allowed() is None:        # computed again at the first `mask` (about 1 ms)
             raise BadRequest("response_format / tools: the JSON schema allows no answer "
                              "(a $ref, allOf or anyOf cycle with no way out?)"
                              + _engine_reason(self.matcher))
@@ -113,8 +112,7 @@ class Constraint:
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A copy of `logits` (vocab,) with -inf on every token the grammar forbids now.
         A schema whose grammar outgrows the engine's limits mid-answer: BadRequest."""
-        allowed = self._first if self._first is not None else self._allowed()
-        self._first = None
+        allowed = self._allowed()
         if allowed is None:
             raise BadRequest("response_format / tools: the JSON schema is beyond the grammar "
                              "engine's limits here" + _engine_reason(self.matcher))
@@ -122,7 +120,6 @@ class Constraint:
 
     def commit(self, token: int) -> None:
         """Advance the grammar by the chosen token (one that `mask` allowed)."""
-        self._first = None
         if not self.matcher.consume_token(token):
             raise BadRequest("response_format / tools: the JSON schema is beyond the grammar "
                              "engine's limits here" + _engine_reason(self.matcher))
