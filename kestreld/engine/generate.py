@@ -185,6 +185,7 @@ class Engine:
         self.prefix = PrefixCache(prefix_kv, prefix_min)
         self.prompts = PromptBuilder(model, max_seq, image_dir)
         self.disk_kv = disk_kv      # diskkv.DiskKV or None: snapshots that outlive the process
+        self.disk_kv_error: Optional[str] = None  # why --disk-kv's directory is not used
         self._grammar_vocab: Optional[GrammarVocabulary] = None   # at the first grammar
 
     @classmethod

@@ -28,7 +28,7 @@ from ..engine.generate import Engine
 from ..engine.prompt import TextInput
 from ..engine.kvcache import KVLayout
 from ..engine.sampler import SamplingOptions
-from ..errors import FatalError, InsufficientMemory
+from ..errors import FatalError, InsufficientMemory, StartupError
 from ..model.convert import default_model_path
 from ..model.load import load_model
 from .config import Config, load_config, performance_cores
@@ -161,6 +161,18 @@ def memory_check(cfg: Config, path: str, available: int):
     return fits
 
 
+def _open_disk_kv(cfg: Config, model) -> tuple[Optional[DiskKV], Optional[str]]:
+    """The --disk-kv store, or None and why: the disk tier is an optional cache, so a
+    directory that cannot be used (read-only after errors=remount-ro, unreadable, corrupt
+    beyond repair, locked by another daemon) leaves the daemon serving without it."""
+    try:
+        return DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
+                                cfg.prefix_min), None
+    except StartupError as e:
+        log.warning("%s; starting without the disk KV tier", e)
+        return None, str(e)
+
+
 def build_engine(cfg: Config, path: str, sharing: Optional[CoreSharing] = None) -> Engine:
     """Load the model (after checking it fits the memory available) and allocate the KV
     arena (once, for max_seq tokens); open --disk-kv. With `sharing` (started earlier), warn
@@ -169,9 +181,9 @@ def build_engine(cfg: Config, path: str, sharing: Optional[CoreSharing] = None) 
     model = load_model(path, cache_dir=cfg.cache_dir, mmproj=cfg.mmproj,
                        fits=memory_check(cfg, path, psutil.virtual_memory().available),
                        interleave=cfg.interleave)
-    disk_kv = (DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
-                                cfg.prefix_min) if cfg.disk_kv else None)
+    disk_kv, disk_kv_error = _open_disk_kv(cfg, model) if cfg.disk_kv else (None, None)
     engine = Engine.from_config(model, cfg, disk_kv=disk_kv)
+    engine.disk_kv_error = disk_kv_error
     c, kv = model.config, engine.kv
     log.info("model %s: %s %s, %d layers, %d params, weights %s (%s) in %.1f s",
              path, c.arch, c.name, c.n_layers, c.n_params, weights_line(model),

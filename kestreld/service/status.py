@@ -58,6 +58,14 @@ class StatusReporter:
         """The daemon's resident memory."""
         return self._process.memory_info().rss
 
+    def _disk_kv(self) -> dict:
+        eng = self._engine
+        if eng.disk_kv is not None:
+            return eng.disk_kv.stats()
+        if eng.disk_kv_error is not None:       # --disk-kv given, its directory unusable
+            return {"enabled": False, "dir": self._config.disk_kv, "error": eng.disk_kv_error}
+        return {"enabled": False}
+
     def status(self) -> dict:
         eng, kv = self._engine, self._engine.kv
         engine_stats = eng.stats()
@@ -76,7 +84,7 @@ class StatusReporter:
             "kv_arena_bytes": kv.nbytes,
             "cache_len": engine_stats["cache_len"],
             "prefix": dict(engine_stats["prefix"]),
-            "disk_kv": eng.disk_kv.stats() if eng.disk_kv is not None else {"enabled": False},
+            "disk_kv": self._disk_kv(),
             "experts_copied_bytes": eng.model.weights.expert_copies_bytes(),
             "rss_mb": round(self.rss_bytes() / 2**20, 1),
             "mem_avail_mb": round(psutil.virtual_memory().available / 2**20, 1),
