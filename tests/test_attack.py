@@ -14,7 +14,7 @@ import pytest
 
 from daemon import Daemon
 from kestrelctl import KestrelClientError
-from test_server import SHORT
+from test_server import SHORT, Raw
 
 LEFTOVER = "kv-" + "0" * 32 + ".tmp"     # an interrupted write's temp file
 CORRUPT = "kv-" + "1" * 32 + ".kv"       # a snapshot of garbage
@@ -62,3 +62,25 @@ def test_a_disk_kv_path_that_is_a_file_starts_without_the_tier(tmp_path):
     kv.write_text("not a directory")
     with Daemon(tmp_path / "k.sock", "--max-seq", "256", "--disk-kv", str(kv)) as d:
         assert_serves_without_disk_tier(d, str(kv))
+
+
+# ---------------------------------------------------------------- 1: detokenize amplification
+
+def test_detokenize_reply_is_bounded(daemon):
+    """An 8 MiB request of one long id repeated made a 226 MB reply (27x): now too_large
+    before any text is made, and the daemon's memory does not grow by the reply."""
+    from kestreld.model.load import load_model
+    tok = load_model(daemon.model).tokenizer
+    longest = max(range(tok.vocab_size), key=lambda i: len(tok.token_bytes([i])))
+    size = len(tok.token_bytes([longest]))
+    raw = Raw(daemon.socket)
+    with daemon.client() as c:
+        rss = c.status()["rss_mb"]
+        raw.send([0, 1, "detokenize", [{"ids": [longest] * 2_000_000}]])
+        _, reply = raw.until_response(1)
+        assert reply[2]["code"] == "too_large", reply[2]
+        assert f"is {size * 2_000_000} bytes" in reply[2]["message"]
+        # the request itself is 2 M Python ints (about 90 MB); the reply would be 162 MB
+        assert c.status()["rss_mb"] < rss + size * 2_000_000 / 2**20
+        assert c.detokenize([longest] * 10) == tok.decode([longest] * 10)   # a sane one
+    raw.close()

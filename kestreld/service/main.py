@@ -260,7 +260,7 @@ async def _serve_engine(cfg: Config, engine, path: str, stop: asyncio.Event, met
     scheduler = Scheduler(engine, loop, cfg.max_queue, on_finish=metrics.finished)
     reporter = StatusReporter(engine, scheduler, cfg)
     metrics.attach(reporter)
-    methods = Methods(engine, scheduler, reporter, cfg.max_tokens)
+    methods = Methods(engine, scheduler, reporter, cfg.max_tokens, cfg.max_outgoing_bytes)
     server = Server(cfg, methods)
     where = await server.start(rpc_socket)
     scheduler.start()

@@ -18,6 +18,7 @@ import json
 import os
 from typing import Any, Iterable, Mapping, Optional
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -110,6 +111,7 @@ class Tokenizer:
                  control_ids: Iterable[int] = ()):
         self._tok = tok
         self._token_bytes = token_bytes    # id -> the bytes that token decodes to
+        self._token_sizes = np.array([len(b) for b in token_bytes], dtype=np.int64)
         # control tokens (<|im_end|>, ...) and unused padding ids: not text, a grammar must
         # not spell them (other added tokens, e.g. Qwen3's <tool_call>, are text that is one token)
         self.control_ids = frozenset(control_ids)
@@ -238,6 +240,10 @@ class Tokenizer:
         """The raw bytes of `ids`, concatenated."""
         table = self._token_bytes
         return b"".join(table[i] for i in ids)
+
+    def decoded_size(self, ids: Iterable[int]) -> int:
+        """Bytes that `token_bytes(ids)` would make, counted without making them."""
+        return int(self._token_sizes[np.asarray(ids, dtype=np.int64)].sum())
 
     def token_id(self, text: str) -> Optional[int]:
         """The id of the token spelled `text` (e.g. "<|image_pad|>"), None if there is none."""
