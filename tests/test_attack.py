@@ -5,11 +5,13 @@ test_constraint.py (grammars), test_sampler.py (repeat penalty), test_http.py (C
 from __future__ import annotations
 
 import contextlib
+import socket
 import os
 import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from daemon import Daemon
@@ -84,3 +86,65 @@ def test_detokenize_reply_is_bounded(daemon):
         assert c.status()["rss_mb"] < rss + size * 2_000_000 / 2**20
         assert c.detokenize([longest] * 10) == tok.decode([longest] * 10)   # a sane one
     raw.close()
+
+
+# ---------------------------------------------------------------- 2: idle connections
+
+def _closed_by_peer(s: socket.socket, within: float) -> bool:
+    """The peer closed `s` within `within` seconds (recv sees the end)."""
+    s.settimeout(within)
+    try:
+        return s.recv(4096) == b"" or True       # a refusal's reply, then the end
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_are_bounded_and_closed(tmp_path):
+    """Connections that send nothing were never closed, and at RLIMIT_NOFILE status,
+    ping and /health timed out. Now each transport holds at most max-connections (one
+    more is closed at once; HTTP answers it 503 too_many_connections), and idle ones are
+    closed after idle-timeout; the other transport serves meanwhile."""
+    with Daemon(tmp_path / "k.sock", "--max-seq", "256", "--http", "127.0.0.1:0",
+                "--max-connections", "8", "--idle-timeout", "3") as d:
+        host, port = d.http_url[len("http://"):].rsplit(":", 1)
+        idle = []
+        for _ in range(8):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(d.socket)
+            idle.append(s)
+        time.sleep(0.3)
+        extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        extra.connect(d.socket)
+        assert _closed_by_peer(extra, 2.0)                       # over the bound: closed
+        r = httpx.get(d.http_url + "/health", timeout=10)        # HTTP unaffected
+        assert r.json() == {"status": "ok"}
+        web = [socket.create_connection((host, int(port))) for _ in range(8)]
+        time.sleep(0.3)
+        over = socket.create_connection((host, int(port)))
+        over.settimeout(5)
+        reply = over.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 503") and b"too_many_connections" in reply
+        t0 = time.monotonic()
+        assert all(_closed_by_peer(s, 10.0) for s in idle + web)  # idle: closed by the daemon
+        assert time.monotonic() - t0 < 8
+        with d.client() as c:
+            assert c.ping()["ok"] is True
+        assert httpx.get(d.http_url + "/health", timeout=10).status_code == 200
+        assert "idle for 3 s: closing it" in d.log()
+        assert "refusing new ones" in d.log()
+        for s in idle + web + [extra, over]:
+            s.close()
+
+
+def test_a_connection_running_a_request_is_not_idle(tmp_path):
+    """A long request with nothing sent meanwhile (stream off) is not cut by idle-timeout."""
+    with Daemon(tmp_path / "k.sock", "--max-seq", "256", "--idle-timeout", "1") as d:
+        raw = Raw(d.socket)
+        raw.send([0, 1, "generate", [{"prompt": SHORT, "max_tokens": 120, "ignore_eos": True,
+                                      "stream": False}]])
+        _, reply = raw.until_response(1)
+        assert reply[2] is None and reply[3]["usage"]["completion_tokens"] == 120
+        assert reply[3]["timings"]["decode_ms"] > 1000      # longer than the idle timeout
+        raw.close()

@@ -99,6 +99,8 @@ class Config:
     max_tokens: int = 256                # default max_tokens of a request
     max_outgoing_bytes: int = 1 << 20    # unsent replies per connection before its requests are cancelled
     shutdown_grace: int = 10             # seconds the running request may finish on SIGTERM
+    idle_timeout: int = 120              # seconds an idle connection (or a stalled reader) is kept
+    max_connections: int = 256           # open connections per transport (RPC socket, HTTP API)
     prompt: Optional[str] = None         # one-shot mode: generate, print, exit
     log_level: str = "info"
     debug: bool = False                  # tracebacks on fatal errors
@@ -115,7 +117,8 @@ class Config:
 
     def __post_init__(self):
         for name in ("max_seq", "prefix_min", "kv_bs", "prefill_chunk", "max_queue",
-                     "max_message_bytes", "max_tokens", "max_outgoing_bytes", "disk_kv_max_bytes"):
+                     "max_message_bytes", "max_tokens", "max_outgoing_bytes", "disk_kv_max_bytes",
+                     "idle_timeout", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.shutdown_grace < 0:
@@ -187,6 +190,13 @@ def _parser() -> argparse.ArgumentParser:
     a("--max-tokens", type=int, help="default max_tokens of a request (default 256)")
     a("--max-outgoing-bytes", type=int,
       help="unsent replies per connection before its requests are cancelled (default 1 MiB)")
+    a("--idle-timeout", type=int, metavar="S",
+      help="close a connection that sends nothing and reads nothing for S seconds while "
+      "none of its requests runs, and an HTTP stream whose client stops reading for S "
+      "seconds (default 120)")
+    a("--max-connections", type=int, metavar="N",
+      help="open connections allowed on the RPC socket, and on the HTTP API; more are "
+      "closed at once (default 256)")
     a("--shutdown-grace", type=int, help="seconds a running request may finish on SIGTERM (default 10)")
     a("--prompt", help="one-shot: generate a completion for TEXT, print it, exit")
     a("--log-level", choices=["debug", "info", "warning", "error"])

@@ -35,6 +35,7 @@ from ..errors import (BadRequest, KestrelError, Loading, MethodNotAllowed, NotFo
                       PermissionDenied, ShuttingDown, StartupError, TooLarge, Unauthorized,
                       UnsupportedMediaType, internal)
 from .config import Config, HttpAddress
+from .connlimit import Bounded
 from .methods import Methods, completion_result, token_payload
 from .metrics import CONTENT_TYPE, Metrics
 from .openai import (CHAT_PATH, COMPLETIONS_PATH, Answer, Translated, chat_request,
@@ -44,6 +45,11 @@ from .server import bind_unix_socket, remove_own_socket
 
 log = logging.getLogger("kestreld.service.http")
 
+_BUSY_BODY = json.dumps({"error": {
+    "message": "too many connections open (max-connections); retry later",
+    "type": "unavailable_error", "param": None, "code": "too_many_connections"}}).encode()
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+         b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(_BUSY_BODY) + _BUSY_BODY)
 HTTP_CONN_ID = 0              # the scheduler's conn_id of HTTP jobs (RPC connections count from 1)
 SHUTDOWN_TIMEOUT_S = 2.0      # after the scheduler is drained: time for the last answers to go out
 PATHS = (CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health", "/metrics")
@@ -131,9 +137,12 @@ class HttpApi:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.on_response_prepare.append(self._cors)
-        # handler_cancellation: a closed connection cancels its handler (and so its job)
+        # handler_cancellation: a closed connection cancels its handler (and so its job);
+        # keepalive_timeout: aiohttp closes a connection waiting that long for a request
+        # (from its start too: one that never sends anything)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                                     keepalive_timeout=cfg.idle_timeout)
 
     # ------------------------------------------------------------ life cycle
 
@@ -150,7 +159,7 @@ class HttpApi:
                 sockets.append(sock)
         where = []
         for sock in sockets:
-            site = web.SockSite(self._runner, sock)
+            site = _BoundedSite(self._runner, sock, self.cfg.max_connections)
             await site.start()
             where.append(site.name)
         return where
@@ -338,7 +347,7 @@ class HttpApi:
         """Server-sent events. The status line waits for the first token, so an error
         before it (a bad image, a prompt too long, a full queue's shutdown) is a plain
         JSON error with its status; after it, an error is a last `data: {"error": ...}`."""
-        response = None
+        response, idle = None, self.cfg.idle_timeout
         while True:
             ev = await events.get()
             if isinstance(ev, Progress):
@@ -352,26 +361,59 @@ class HttpApi:
                 await response.prepare(request)
                 first = answer.first_chunk()
                 if first is not None:
-                    await _send(response, first)
+                    await _send(request, response, first, idle)
             if isinstance(ev, Token):
                 chunk = answer.token_chunk(token_payload(ev.event))
                 if chunk is not None:
-                    await _send(response, chunk)
+                    await _send(request, response, chunk, idle)
             elif isinstance(ev, Done):
                 result = completion_result(ev.completion, ev.queue_ms, ev.ttft_ms)
                 for chunk in answer.last_chunks(result):
-                    await _send(response, chunk)
+                    await _send(request, response, chunk, idle)
                 break
             else:
-                await _send(response, error_body(ev.error))
+                await _send(request, response, error_body(ev.error), idle)
                 break
-        await response.write(b"data: [DONE]\n\n")
+        await _write(request, response, b"data: [DONE]\n\n", idle)
         await response.write_eof()
         return response
 
 
-async def _send(response: web.StreamResponse, obj: dict) -> None:
-    await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+async def _send(request: web.Request, response: web.StreamResponse, obj: dict,
+                timeout: float) -> None:
+    data = b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    await _write(request, response, data, timeout)
+
+
+async def _write(request: web.Request, response: web.StreamResponse, data: bytes,
+                 timeout: float) -> None:
+    """Write, cutting a client that reads nothing for `timeout` s (idle_timeout): its
+    stream would otherwise be generated in full into memory nobody reads. The connection
+    is aborted (its unsent bytes dropped); the handler's end withdraws the job."""
+    try:
+        async with asyncio.timeout(timeout):
+            await response.write(data)
+    except TimeoutError:
+        log.info("an HTTP stream's client read nothing for %d s: closing it", timeout)
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError("the client stopped reading") from None
+
+
+class _BoundedSite(web.SockSite):
+    """aiohttp's SockSite, its connections bounded (connlimit.py): over max_connections,
+    a new one gets a 503 and is closed."""
+
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, limit: int):
+        super().__init__(runner, sock)
+        self._limit = limit
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        factory = Bounded(server, lambda: len(server.connections), self._limit,
+                          f"HTTP API {self.name}", reply=_BUSY)
+        self._server = await asyncio.get_running_loop().create_server(factory, sock=self._sock)
 
 
 async def _json(request: web.Request):

@@ -32,6 +32,7 @@ from ..errors import FatalError, InsufficientMemory, StartupError
 from ..model.convert import default_model_path
 from ..model.load import load_model
 from .config import Config, load_config, performance_cores
+from .connlimit import raise_nofile_limit
 from .methods import Methods
 from .metrics import Metrics
 from .scheduler import Scheduler
@@ -228,6 +229,7 @@ async def serve(cfg: Config, path: str, rpc_socket: Optional[socket.socket] = No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics = Metrics()
+    raise_nofile_limit(cfg.max_connections * (2 if cfg.http or http_sockets else 1))
     http = None
     if cfg.http or http_sockets:
         # imported here: aiohttp is the largest of the daemon's imports (in time and memory),
