@@ -302,10 +302,14 @@ def test_chat_errors(http, body, code, param, needle):
 
 
 def test_errors_in_openai_shape(http):
+    js = {"Content-Type": "application/json"}
     assert "not valid JSON" in assert_error(
-        http.post("/v1/chat/completions", content=b"{nope"), 400, "bad_request")["message"]
-    assert_error(http.post("/v1/chat/completions", content=b"\xff\xfe"), 400, "bad_request")
-    assert_error(http.post("/v1/chat/completions", content=b"[" * 60000), 400, "bad_request")
+        http.post("/v1/chat/completions", content=b"{nope", headers=js), 400,
+        "bad_request")["message"]
+    assert_error(http.post("/v1/chat/completions", content=b"\xff\xfe", headers=js), 400,
+                 "bad_request")
+    assert_error(http.post("/v1/chat/completions", content=b"[" * 60000, headers=js), 400,
+                 "bad_request")
     assert_error(http.post("/v1/chat/completions", json=[1, 2]), 400, "bad_request")
     assert_error(http.post("/v1/completions", json={"prompt": ["a", "b"]}), 400, "bad_request", "prompt")
     assert_error(http.post("/v1/completions", json={"prompt": "a", "echo": True}), 400, "bad_request", "echo")

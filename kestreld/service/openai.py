@@ -385,7 +385,7 @@ def model(model_id: str, created: int) -> dict:
 # OpenAI's error types by HTTP status
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error",
+                413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
                 499: "invalid_request_error", 503: "unavailable_error"}
 
 
