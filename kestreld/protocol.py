@@ -42,6 +42,7 @@ MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20
 SEED_LIMIT = 1 << 64          # seeds are 0 <= seed < 2**64
 MAX_IMAGES = 16               # image parts in one chat request
+MAX_MESSAGES = 4096           # messages in one chat (each takes a few tokens of the context)
 MAX_PATH_CHARS = 4096
 MAX_TOOLS = 128               # functions offered in one chat request
 MAX_TOOL_CALLS = 64           # calls in one assistant message
@@ -190,6 +191,8 @@ def _ids(name: str, v, vocab_size: int) -> tuple:
 def _messages(v) -> tuple:
     if not isinstance(v, (list, tuple)) or not v:
         raise BadRequest("messages must be a non-empty list of {role, content} maps")
+    if len(v) > MAX_MESSAGES:      # checked first: a huge list must not hold the event loop
+        raise BadRequest(f"messages: at most {MAX_MESSAGES}, got {len(v)}")
     out = [_message(f"messages[{n}]", m) for n, m in enumerate(v)]
     n_images = sum(1 for m in out if not isinstance(m["content"], str)
                    for part in m["content"] if part["type"] == "image")

@@ -148,3 +148,29 @@ def test_a_connection_running_a_request_is_not_idle(tmp_path):
         assert reply[2] is None and reply[3]["usage"]["completion_tokens"] == 120
         assert reply[3]["timings"]["decode_ms"] > 1000      # longer than the idle timeout
         raw.close()
+
+
+# ---------------------------------------------------------------- degraded answers
+
+def test_all_interfaces_without_an_api_key_warns(tmp_path):
+    with Daemon(tmp_path / "k.sock", "--max-seq", "256", "--http", "0.0.0.0:0",
+                "--http-allow-remote") as d:
+        assert "answers anyone who can reach it: no API key is set" in d.log()
+    key = tmp_path / "key"
+    key.write_text("k3y\n")
+    with Daemon(tmp_path / "k.sock", "--max-seq", "256", "--http", "0.0.0.0:0",
+                "--http-allow-remote", "--http-api-key-file", str(key)) as d:
+        assert "answers anyone" not in d.log()
+
+
+def test_message_count_is_bounded(daemon):
+    """An 8 MiB chat of 419,420 messages held the event loop for 679 ms."""
+    raw = Raw(daemon.socket)
+    raw.send([0, 1, "chat", [{"messages": [{"role": "user", "content": ""}] * 400_000}]])
+    with daemon.client() as c:
+        t0 = time.monotonic()
+        c.status()
+        assert time.monotonic() - t0 < 0.5
+    _, reply = raw.until_response(1)
+    assert reply[2]["code"] == "bad_request" and "at most 4096" in reply[2]["message"]
+    raw.close()

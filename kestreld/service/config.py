@@ -10,12 +10,14 @@ import argparse
 import glob
 import ipaddress
 import os
+import stat
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Sequence
 
 from ..protocol import DEFAULT_SOCKET  # one definition, shared with kestrelctl
 
 DEFAULT_CONFIG_FILE = "/etc/kestrel/kestreld.conf"
+MAX_CONFIG_BYTES = 1 << 20
 
 
 SYSFS_CPU = "/sys/devices/system/cpu"
@@ -241,27 +243,52 @@ def _coerce(name: str, value: str):
     return value
 
 
-def read_config_file(path: str) -> dict:
+def read_config_file(path: str, lines: Optional[dict] = None) -> dict:
     """Parse `key = value` lines; keys are long option names (`max-seq`), and a switch that
-    turns something off stands alone (`no-prefix-kv`, `no-memory-check`, `no-interleave`)."""
+    turns something off stands alone (`no-prefix-kv`, `no-memory-check`, `no-interleave`).
+    Errors name the file and line; `lines`, if given, gets each field's line number.
+    Only a regular file is read (a FIFO would hang the start-up)."""
     known = {f.name for f in fields(Config)}
+    lines = {} if lines is None else lines
     out = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            key, sep, value = (s.strip() for s in line.partition("="))
-            name = key.replace("-", "_")
-            if name in _SWITCHES_OFF and not sep:
-                out[_SWITCHES_OFF[name]] = False
-                continue
-            if not sep or name not in known:
-                raise ValueError(f"{path}:{n}: expected `key = value` with a known key, got {line!r}")
+    for n, line in enumerate(_read_regular(path).splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, sep, value = (s.strip() for s in line.partition("="))
+        name = key.replace("-", "_")
+        if name in _SWITCHES_OFF and not sep:
+            out[_SWITCHES_OFF[name]] = False
+            lines[_SWITCHES_OFF[name]] = n
+            continue
+        if not sep or name not in known:
+            raise ValueError(f"{path}:{n}: expected `key = value` with a known key, got {line!r}")
+        try:
             value = _coerce(name, value)
-            # a list key may be given on several lines: they add up
-            out[name] = out.get(name, ()) + value if isinstance(value, tuple) else value
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {key}: {e}") from None
+        # a list key may be given on several lines: they add up
+        out[name] = out.get(name, ()) + value if isinstance(value, tuple) else value
+        lines[name] = n
     return out
+
+
+def _read_regular(path: str) -> str:
+    """The text of `path`, opened without blocking: a regular file, or a character device
+    such as /dev/null (no config); a FIFO or socket is refused, and more than
+    MAX_CONFIG_BYTES."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            raise ValueError(f"{path}: not a regular file (a config file must be one)")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> str:
@@ -282,13 +309,19 @@ def load_config(argv: Optional[Sequence[str]] = None,
     path = args.get("config_file") or environ.get("KESTREL_CONFIG")
     if path is None and os.path.exists(DEFAULT_CONFIG_FILE):
         path = DEFAULT_CONFIG_FILE
+    lines: dict = {}
     if path:
-        values.update(read_config_file(path))
+        values.update(read_config_file(path, lines))
         values["config_file"] = path
     values.setdefault("cache_dir", default_cache_dir(environ))
     for var, name in _ENV.items():
         if environ.get(var):
             values[name] = _coerce(name, environ[var])
-    values.update({k: tuple(v) if isinstance(v, list) else v
-                   for k, v in args.items() if v is not None})
-    return Config(**values)
+            lines.pop(name, None)          # the file's line no longer sets it
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if v is not None}
+    values.update(given)
+    try:
+        return Config(**values)
+    except ValueError as e:        # a value out of range: name its line if the file set it
+        named = [k for k in lines if k not in given and str(e).startswith(k.replace("_", "-"))]
+        raise ValueError(f"{path}:{lines[named[0]]}: {e}" if named else str(e)) from None

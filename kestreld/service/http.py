@@ -94,6 +94,13 @@ def _loopback_origin(origin: str) -> bool:
     return m is not None and _loopback_host(m.group(1))
 
 
+def _loopback_socket(sock: socket.socket) -> bool:
+    """A Unix socket or one bound to a loopback address (0.0.0.0 and :: are not)."""
+    if sock.family == socket.AF_UNIX:
+        return True
+    return ipaddress.ip_address(sock.getsockname()[0].split("%")[0]).is_loopback
+
+
 def _json_content_type(content_type: str) -> bool:
     """application/json or application/*+json (aiohttp gives the type without parameters)."""
     kind = content_type.lower()
@@ -159,6 +166,9 @@ class HttpApi:
                 sockets.append(sock)
         where = []
         for sock in sockets:
+            if self.api_key is None and not _loopback_socket(sock):
+                log.warning("the HTTP API on %s answers anyone who can reach it: no API key "
+                            "is set (--http-api-key-file)", sock.getsockname()[0])
             site = _BoundedSite(self._runner, sock, self.cfg.max_connections)
             await site.start()
             where.append(site.name)

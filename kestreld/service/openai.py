@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..errors import BadRequest, KestrelError
-from ..protocol import MAX_LOGPROBS
+from ..protocol import MAX_LOGPROBS, MAX_MESSAGES
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -155,6 +155,9 @@ def _content(content, where: str):
 def _messages(messages) -> list:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty array of {role, content} objects",
+                         param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"messages: at most {MAX_MESSAGES}, got {len(messages)}",
                          param="messages")
     out = []
     for i, m in enumerate(messages):
