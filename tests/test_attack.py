@@ -5,6 +5,7 @@ test_constraint.py (grammars), test_sampler.py (repeat penalty), test_http.py (C
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import os
 import subprocess
@@ -214,3 +215,30 @@ def test_schemas_the_engine_cannot_follow_are_short_bad_requests(daemon, schema)
         assert e.value.code == "bad_request"
         assert len(str(e.value)) < 1000 and "<state>" not in str(e.value)
         assert c.ping()["ok"] is True
+
+
+def test_a_stream_nobody_reads_is_cut_and_its_job_withdrawn(tmp_path):
+    """Streaming clients that never read were never cut off: the answer was generated in
+    full into buffers. Now a write that waits idle-timeout aborts the connection and the
+    job is withdrawn (log-probabilities make each event about 2 kB: buffers fill fast)."""
+    with Daemon(tmp_path / "k.sock", "--max-seq", "2048", "--http", "127.0.0.1:0",
+                "--idle-timeout", "2") as d:
+        host, port = d.http_url[len("http://"):].rsplit(":", 1)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        body = json.dumps({"messages": [{"role": "user", "content": "Tell a long story."}],
+                           "max_tokens": 2000, "stream": True, "logprobs": True,
+                           "top_logprobs": 20}).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 240
+        while "read nothing for 2 s" not in d.log():
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.2)
+        while "finish=cancelled" not in d.log():
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.2)
+        s.close()
+        with d.client() as c:
+            assert c.status()["busy"] is False

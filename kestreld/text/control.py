@@ -49,15 +49,20 @@ class ControlGuard:
     def encode(self, text: str) -> list:
         """Token ids of a rendered prompt: its own control tokens as such, the rest
         (placeholders restored) as text."""
-        ids, piece, at = [], [], 0
+        ids, piece, hidden, at = [], [], False, 0
         for m in self._split.finditer(text):
             piece.append(text[at:m.start()])
             at = m.end()
             if m.group(1) is not None:
                 piece.append(self._hidden[int(m.group(1))])
+                hidden = True
             else:
-                ids += self.tokenizer.encode_text("".join(piece))
-                piece = []
+                ids += self._encode("".join(piece), hidden)
+                piece, hidden = [], False
                 ids.append(self.tokenizer.token_id(m.group(0)))
         piece.append(text[at:])
-        return ids + self.tokenizer.encode_text("".join(piece))
+        return ids + self._encode("".join(piece), hidden)
+
+    def _encode(self, piece: str, hidden: bool) -> list:
+        # a piece without a client's control text has none at all: the usual encoding
+        return self.tokenizer.encode_text(piece) if hidden else self.tokenizer.encode(piece)

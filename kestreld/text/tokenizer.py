@@ -14,6 +14,7 @@ engine renders chat templates to text and encodes the result.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import os
 from typing import Any, Iterable, Mapping, Optional
@@ -119,10 +120,6 @@ class Tokenizer:
         self.eos_id = eos_id               # the model's own EOS (the template's eos_token)
         self.eos_ids = frozenset(i for i in {eos_id, *eog_ids} if i is not None)  # stop ids
         self.add_bos = add_bos and bos_id is not None
-        # the same tokenizer with control tokens read as text (text/control.py); other
-        # added tokens (Qwen3's <think>, <tool_call>) still match, being text themselves
-        self._plain = HFTokenizer.from_str(tok.to_str())
-        self._plain.encode_special_tokens = True
         self.control_texts = tuple(t.content for i, t in tok.get_added_tokens_decoder().items()
                                    if t.special and i in self.control_ids)
 
@@ -231,6 +228,15 @@ class Tokenizer:
         """Token ids of `text` read as text: a control token's text in it (`<|im_end|>`)
         is tokenized as the characters it is made of."""
         return self._plain.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _plain(self) -> HFTokenizer:
+        """The same tokenizer with control tokens read as text; other added tokens (Qwen3's
+        <think>, <tool_call>) still match, being text themselves. Made when a client's
+        text first holds a control token's spelling (two threads may both make one)."""
+        plain = HFTokenizer.from_str(self._tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, special tokens included; invalid UTF-8 becomes U+FFFD."""
