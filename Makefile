@@ -71,6 +71,12 @@ bench-arm64: $(VENV)/.deps
 	$(ARM64) build $(PY)
 	$(PY) bench/arm64_vs_llamacpp.py
 
+# Speculation from the context: grounded tasks and open chat on SmolLM2 with drafts on and off,
+# beside llama.cpp's prompt lookup, and the cost of a pass over k tokens (bench/speculate.py)
+.PHONY: bench-speculate
+bench-speculate: build
+	$(PY) bench/speculate.py --threads $(THREADS)
+
 # Qwen3-VL: one 448x448 image + a question on a random Qwen3-VL-2B-shaped model (bench/README.md)
 .PHONY: bench-vision
 bench-vision: build

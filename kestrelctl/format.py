@@ -2,6 +2,8 @@
 statistics of a completion (`generate --stats`, the chat footer)."""
 from __future__ import annotations
 
+from typing import Optional
+
 from .client import Result
 
 # The status map's keys that `show` reports (besides `model`): the KV arena.
@@ -41,6 +43,14 @@ def _experts_copied(by_type) -> str:
     return f", MoE experts copied {human_bytes(total)}" if total else ""
 
 
+def _speculation(sp: Optional[dict]) -> str:
+    """The speculation row: on or off, and how many drafted tokens were chosen."""
+    if not sp or not sp.get("enabled"):
+        return "off"
+    rate = f" ({sp['accepted'] / sp['drafted']:.0%})" if sp["drafted"] else ""
+    return f"on, {sp['accepted']} of {sp['drafted']} drafted tokens accepted{rate}"
+
+
 def format_status(s: dict) -> str:
     """The status map as a readable table (`kestrelctl status`)."""
     m, p = s["model"], s["prefix"]
@@ -57,6 +67,7 @@ def format_status(s: dict) -> str:
         ("cache", f"{s['cache_len']} tokens valid"),
         ("prefix", f"{'on' if p['enabled'] else 'off'}, min {p['min_match']}, hits {p['hits']}, "
                    f"misses {p['misses']}, {p['tokens_reused']} tokens reused"),
+        ("speculation", _speculation(s.get("speculation"))),
         ("requests", f"busy {'yes' if s['busy'] else 'no'}, active {s['active']}, "
                      f"queued {s['queued']}, total {s['total_requests']}"),
         ("memory", f"rss {s['rss_mb']:.0f} MB, available {s['mem_avail_mb']:.0f} MB"

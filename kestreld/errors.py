@@ -15,13 +15,16 @@ from typing import Optional
 class KestrelError(Exception):
     """Base: a request's failure. Each kind states, in its class line, its error code, its
     HTTP status and the exit status kestrelctl returns for it (None: kestrelctl never meets
-    it); `wire` False: a code the RPC socket never sends (client side or HTTP API only)."""
-    code, http_status, exit_status, wire = "internal", 500, 10, True
+    it); `wire` False: a code the RPC socket never sends (client side or HTTP API only);
+    `http_code`: the code the HTTP API sends, OpenAI's where it has its own for the same
+    failure (OpenAI clients look for it), else `code`."""
+    code, http_status, exit_status, wire, http_code = "internal", 500, 10, True, "internal"
 
     def __init_subclass__(cls, code: str, http_status: int, exit_status: Optional[int],
-                          wire: bool = True, **kwargs):
+                          wire: bool = True, http_code: Optional[str] = None, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.code, cls.http_status, cls.exit_status, cls.wire = code, http_status, exit_status, wire
+        cls.http_code = http_code or code
 
     def __init__(self, message: str = "", param: Optional[str] = None):
         super().__init__(message)
@@ -44,7 +47,8 @@ class TooLarge(KestrelError, code="too_large", http_status=413, exit_status=4):
     """A message over --max-message-bytes (or an HTTP body over the same limit)."""
 
 
-class PromptTooLong(KestrelError, code="prompt_too_long", http_status=400, exit_status=5):
+class PromptTooLong(KestrelError, code="prompt_too_long", http_status=400, exit_status=5,
+                    http_code="context_length_exceeded"):
     """A prompt that leaves the KV arena no room for one new token."""
 
 
@@ -83,6 +87,12 @@ class Unauthorized(KestrelError, code="unauthorized", http_status=401, exit_stat
 
 class NotFound(KestrelError, code="not_found", http_status=404, exit_status=None, wire=False):
     """No such HTTP path (or model id)."""
+
+
+class ModelNotFound(KestrelError, code="model_not_found", http_status=404, exit_status=None,
+                    wire=False):
+    """Under --strict-model: a request naming a model this daemon does not serve (OpenAI's
+    code; without --strict-model the loaded model answers, as llama.cpp's server does)."""
 
 
 class MethodNotAllowed(KestrelError, code="method_not_allowed", http_status=405,

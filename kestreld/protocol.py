@@ -58,6 +58,8 @@ MAX_SCHEMA_ALTERNATIVES = 256  # anyOf / oneOf branches
 MAX_SCHEMA_ENUM = 1000         # enum values
 MAX_PATTERN_SIZE = 10_000      # a pattern's characters, counted repetitions expanded
 PENALTY_LIMIT = 2.0           # presence / frequency penalties in [-2, 2], as OpenAI's
+BIAS_LIMIT = 100.0            # logit_bias values in [-100, 100], as OpenAI's; -100 bans
+MAX_BIASED = 1024             # token ids in one logit_bias map
 # OpenAI's rule for function and response-format names
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("auto", "none", "required")
@@ -84,7 +86,8 @@ class ChatParams:
     "type": "function", "function": {"name", "arguments": str}}]; its content "" when it
     had none), a "tool" message `tool_call_id`. `split_reasoning`: the answer's thinking
     block comes back apart, as `reasoning`. `tools`: OpenAI function specs;
-    `tool_choice`: "auto" | "none" | "required" | {"type": "function", "function": {"name"}}."""
+    `tool_choice`: "auto" | "none" | "required" | {"type": "function", "function": {"name"}};
+    `parallel_tool_calls` False: at most one call."""
     messages: tuple
     enable_thinking: bool
     options: dict
@@ -92,6 +95,7 @@ class ChatParams:
     split_reasoning: bool = False
     tools: tuple = ()
     tool_choice: Union[str, dict] = "auto"
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -493,6 +497,15 @@ def _response_format(v) -> Optional[dict]:
     return {"kind": "json_schema", "schema": _schema("response_format.json_schema.schema", js["schema"])}
 
 
+def _logit_bias(v) -> dict:
+    """{token id: bias}: ids checked against the vocabulary by validate_params."""
+    if not isinstance(v, dict) or len(v) > MAX_BIASED:
+        raise BadRequest(f"logit_bias must be a map of at most {MAX_BIASED} token ids to "
+                         f"biases, got {_QUOTE.repr(v)}")
+    return {_int("logit_bias key", k, lo=0): _number(f"logit_bias[{k}]", b, -BIAS_LIMIT, BIAS_LIMIT)
+            for k, b in v.items()}
+
+
 def _part(name: str, v) -> dict:
     """One part of a list content: text, or an image by path or by its bytes."""
     if not isinstance(v, dict) or v.get("type") not in ("text", "image"):
@@ -528,15 +541,18 @@ OPTION_CHECKS = {
     "seed": lambda v: _int("seed", v, lo=0, hi=SEED_LIMIT - 1),
     "stop": lambda v: _stop("stop", v),
     "ignore_eos": lambda v: _bool("ignore_eos", v),
+    "speculate": lambda v: _bool("speculate", v),
     "logprobs": lambda v: _int("logprobs", v, lo=0, hi=MAX_LOGPROBS),
     "presence_penalty": lambda v: _number("presence_penalty", v, -PENALTY_LIMIT, PENALTY_LIMIT),
     "frequency_penalty": lambda v: _number("frequency_penalty", v, -PENALTY_LIMIT, PENALTY_LIMIT),
     "response_format": _response_format,
+    "logit_bias": _logit_bias,
 }
 
 _FIELDS = {  # method -> its own parameter names (besides the options of generate/chat)
     "generate": ("prompt", "ids", "stream"),
-    "chat": ("messages", "enable_thinking", "split_reasoning", "tools", "tool_choice", "stream"),
+    "chat": ("messages", "enable_thinking", "split_reasoning", "tools", "tool_choice",
+             "parallel_tool_calls", "stream"),
     "tokenize": ("text", "add_special"),
     "detokenize": ("ids",),
     "cancel": ("id",),
@@ -563,8 +579,13 @@ def _params_map(method: str, params) -> dict:
     return params
 
 
-def _options(p: dict) -> dict:
-    return {k: OPTION_CHECKS[k](p[k]) for k in OPTION_CHECKS if k in p}
+def _options(p: dict, vocab_size: int) -> dict:
+    out = {k: OPTION_CHECKS[k](p[k]) for k in OPTION_CHECKS if k in p}
+    outside = [i for i in out.get("logit_bias", ()) if i >= vocab_size]
+    if outside:
+        raise BadRequest(f"logit_bias: token id {outside[0]} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+    return out
 
 
 def validate_params(method: str, params, vocab_size: int,
@@ -589,16 +610,20 @@ def validate_params(method: str, params, vocab_size: int,
         return GenerateParams(
             prompt=_str("prompt", p["prompt"]) if has_prompt else None,
             ids=_ids("ids", p["ids"], vocab_size) if has_ids else None,
-            options=_options(p), stream=_bool("stream", p.get("stream", True)))
+            options=_options(p, vocab_size), stream=_bool("stream", p.get("stream", True)))
     if method == "chat":
         if "messages" not in p:
             raise BadRequest("chat needs messages ([{role, content}])")
         tools = _tools(p.get("tools", []))
         return ChatParams(messages=_messages(p["messages"]),
                           enable_thinking=_bool("enable_thinking", p.get("enable_thinking", False)),
-                          options=_options(p), stream=_bool("stream", p.get("stream", True)),
+                          options=_options(p, vocab_size),
+                          stream=_bool("stream", p.get("stream", True)),
                           split_reasoning=_bool("split_reasoning", p.get("split_reasoning", False)),
-                          tools=tools, tool_choice=_tool_choice(p.get("tool_choice", "auto"), tools))
+                          tools=tools,
+                          tool_choice=_tool_choice(p.get("tool_choice", "auto"), tools),
+                          parallel_tool_calls=_bool("parallel_tool_calls",
+                                                    p.get("parallel_tool_calls", True)))
     if method == "tokenize":
         if "text" not in p:
             raise BadRequest("tokenize needs text (str)")

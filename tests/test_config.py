@@ -103,3 +103,22 @@ def test_a_fifo_as_config_file_is_refused_not_waited_on(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="not a regular file"):
         load_config(["--config", str(fifo)], environ={})
+
+
+def test_alias_from_argv_and_file_adds_up(tmp_path):
+    conf = tmp_path / "k.conf"
+    conf.write_text("alias = qwen3-vl:2b\nalias = llama3.2\n")
+    assert load_config(["--config", str(conf)], environ={}).alias == ("qwen3-vl:2b", "llama3.2")
+    cfg = load_config(["--config", str(conf), "--alias", "a:1", "--alias", "b"], environ={})
+    assert cfg.alias == ("a:1", "b")            # argv replaces the file's list
+    for bad in ("", "two words", "x" * 201):
+        with pytest.raises(ValueError, match="alias"):
+            Config(alias=(bad,))
+
+
+def test_strict_model_from_flag_and_file(tmp_path):
+    assert not load_config([], environ={}).strict_model
+    assert load_config(["--strict-model"], environ={}).strict_model
+    conf = tmp_path / "k.conf"
+    conf.write_text("strict-model = true\n")
+    assert load_config(["--config", str(conf)], environ={}).strict_model

@@ -11,7 +11,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from kestreld.engine.constraint import Constraint, GrammarVocabulary, answer_grammar
+from kestreld.engine.constraint import (Constraint, GrammarVocabulary, answer_grammar,
+                                       closed_objects)
 from kestreld.engine.generate import Engine
 from kestreld.engine.prompt import ChatInput, TextInput
 from kestreld.engine.sampler import ResponseFormat, SamplingOptions
@@ -158,6 +159,41 @@ def test_tool_call_grammars(vocab, smollm2):
     assert answer_grammar(None, None, None) is None
 
 
+def test_one_call_when_parallel_calls_are_off(vocab, smollm2):
+    tok = smollm2.tokenizer
+    add = '<tool_call>\n{"name": "add", "arguments": {"x": 1, "y": 2}}\n</tool_call>'
+    one = answer_grammar(None, ToolUse((WEATHER, ADD), required=True, parallel=False), None)
+    assert accepts(vocab, tok, one, add) and not accepts(vocab, tok, one, add + "\n" + add)
+
+
+def test_objects_that_list_properties_are_closed(vocab, smollm2):
+    """A schema that does not set additionalProperties: only its listed keys (llama.cpp's
+    and OpenAI strict mode's reading), at every depth; an object without properties and
+    an explicit additionalProperties stay as they are."""
+    loose = {"type": "object", "required": ["a"],
+             "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                            "properties": {"type": "string"}},
+             "$defs": {"d": {"properties": {"x": {}}}},
+             "anyOf": [{"properties": {"y": {}}}, {"type": "object"}]}
+    closed = closed_objects(loose)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["properties"]   # a key's name
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert closed["anyOf"][0]["additionalProperties"] is False
+    assert closed["anyOf"][1] == {"type": "object"}
+    assert "additionalProperties" not in loose                               # a copy
+    assert closed_objects({"properties": {}, "additionalProperties": True})["additionalProperties"]
+    g = answer_grammar(schema_format({k: loose[k] for k in ("type", "required", "properties")}),
+                       None, None)
+    tok = smollm2.tokenizer
+    assert accepts(vocab, tok, g, '{"a": {"b": 1}, "properties": "p"}')
+    assert not accepts(vocab, tok, g, '{"a": {"b": 1}, "invented": 1}')
+    assert not accepts(vocab, tok, g, '{"a": {"b": 1, "c": 2}}')
+    assert accepts(vocab, tok, answer_grammar(ResponseFormat("json_object"), None, None),
+                   '{"any": 1, "key": 2}')
+
+
 def test_a_thinking_block_may_come_first(vocab, smollm2):
     tok = smollm2.tokenizer
     fmt = ResponseFormat("json_object")
@@ -290,20 +326,22 @@ def test_generated_models_answer_valid_json_for_every_seed(zoo, name):
 
 def test_forced_calls_on_smollm2(smollm2_engine):
     """SmolLM2's template shows no tools; the grammar still makes every answer calls: valid
-    calls of the offered functions ("required": one or more; this model tends to repeat
-    them until max_tokens, and the unclosed block stays text), or exactly one call of the
-    named function."""
+    calls of the offered functions ("required": one or more, distinct; this model tends to
+    repeat a call, and the first repeat ends the answer), exactly one call with
+    parallel_tool_calls false, or exactly one call of the named function; never text."""
     ask = ({"role": "user", "content": "What is the weather in Oslo, and what is 2 + 3?"},)
     tools = {"get_weather": WEATHER, "add": ADD}
     named = {"type": "function", "function": {"name": "add"}}
     for seed in range(8):
         opts = SamplingOptions(max_tokens=200, temperature=0.9, seed=seed)
         c = smollm2_engine.run(ChatInput(ask, tools=(WEATHER, ADD), tool_choice="required"), opts)
-        assert c.tool_calls
-        assert (c.finish_reason, c.text) == ("tool_calls", "") or (
-            c.finish_reason == "length" and c.text.startswith("<tool_call>\n"))
+        assert c.tool_calls and (c.finish_reason, c.text) == ("tool_calls", "")
+        assert len({(t.name, t.arguments) for t in c.tool_calls}) == len(c.tool_calls)
         for call in c.tool_calls:
             jsonschema.validate(json.loads(call.arguments), tools[call.name]["function"]["parameters"])
+        c = smollm2_engine.run(ChatInput(ask, tools=(WEATHER, ADD), tool_choice="required",
+                                         parallel_tool_calls=False), opts)
+        assert (c.finish_reason, c.text, len(c.tool_calls)) == ("tool_calls", "", 1)
         c = smollm2_engine.run(ChatInput(ask, tools=(WEATHER, ADD), tool_choice=named), opts)
         assert c.finish_reason == "tool_calls" and [t.name for t in c.tool_calls] == ["add"]
         jsonschema.validate(json.loads(c.tool_calls[0].arguments), ADD["function"]["parameters"])

@@ -24,3 +24,11 @@ def test_anything_else_becomes_internal():
     assert errors.to_wire(ZeroDivisionError("boom")) == {
         "code": "internal", "message": "internal error: ZeroDivisionError: boom"}
     assert issubclass(errors.ModelLoadError, errors.FatalError) and errors.FatalError.exit_status == 1
+
+
+def test_http_codes_are_openais_where_it_has_one():
+    assert errors.PromptTooLong.http_code == "context_length_exceeded"
+    assert errors.PromptTooLong("x").to_wire()["code"] == "prompt_too_long"   # the RPC's own
+    assert errors.ModelNotFound.http_code == "model_not_found" == errors.ModelNotFound.code
+    assert all(k.http_code == k.code for k in errors.REQUEST_ERRORS
+               if k is not errors.PromptTooLong)

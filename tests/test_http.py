@@ -89,7 +89,7 @@ def test_health_and_models(http):
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
     assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
-    assert_error(http.get("/v1/models/gpt-4"), 404, "not_found")
+    assert_error(http.get("/v1/models/gpt-4"), 404, "model_not_found", "model")
 
 
 def test_sdk_chat_equals_rpc_chat(daemon, sdk):
@@ -270,12 +270,9 @@ def test_sampling_parameters(sdk, http):
 
 def test_sdk_errors(sdk):
     with pytest.raises(openai.BadRequestError) as e:
-        sdk.chat.completions.create(model=MODEL, messages=QUESTION, n=2)
+        sdk.chat.completions.create(model=MODEL, messages=QUESTION, n=20)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
     assert e.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError) as e:
-        sdk.chat.completions.create(model="gpt-4o", messages=QUESTION)
-    assert e.value.body["param"] == "model" and MODEL in e.value.body["message"]
 
 
 @pytest.mark.parametrize("body, code, param, needle", [
@@ -320,12 +317,14 @@ def test_errors_in_openai_shape(http):
     assert str(MAX_MESSAGE) in assert_error(http.post("/v1/chat/completions", json=big), 413,
                                             "too_large")["message"]
     too_long = {"prompt": "word " * 2000, "max_tokens": 1}
-    assert_error(http.post("/v1/completions", json=too_long), 400, "prompt_too_long")
+    assert_error(http.post("/v1/completions", json=too_long), 400, "context_length_exceeded",
+                 "prompt")
 
 
 def test_a_stream_that_fails_before_its_first_token_is_a_json_error(http):
     too_long = {"messages": [{"role": "user", "content": "word " * 1000}], "stream": True}
-    assert_error(http.post("/v1/chat/completions", json=too_long), 400, "prompt_too_long")
+    assert_error(http.post("/v1/chat/completions", json=too_long), 400, "context_length_exceeded",
+                 "messages")
 
 
 # ---------------------------------------------------------------- security
@@ -440,7 +439,7 @@ def test_metrics_count_what_was_sent(daemon, http, sdk):
     with daemon.client() as c:
         rpc = c.generate(prompt="Hello there", max_tokens=4)
         status = c.status()
-    http.post("/v1/chat/completions", json={"messages": QUESTION, "n": 3})   # a 400
+    http.post("/v1/chat/completions", json={"messages": QUESTION, "n": 30})   # a 400
     after = metrics(http)
     chat = dict(transport="http", endpoint="/v1/chat/completions")
     finished = {r.choices[0].finish_reason for r in replies}

@@ -81,13 +81,14 @@ def test_status_json_and_table(daemon):
     assert s["pid"] == daemon.pid and s["max_seq"] == 512
     table = ctl("status", socket=daemon.socket).stdout
     labels = [line.split()[0] for line in table.splitlines()]
-    assert labels == ["daemon", "model", "path", "kv", "cache", "prefix", "requests", "memory",
-                      "threads"]
+    assert labels == ["daemon", "model", "path", "kv", "cache", "prefix", "speculation",
+                      "requests", "memory", "threads"]
     assert f"pid {daemon.pid}" in table and "max_seq 512, kv_bs 32, q8, 408 B/token/layer" in table
     assert format_status(s).splitlines()[1:3] == table.splitlines()[1:3]
     assert s["experts_copied_bytes"] == {} and "experts" not in table      # a dense model
     s["experts_copied_bytes"] = {"q4_k": 1_000_000_000, "q8_0": 234_000_000}
-    assert format_status(s).splitlines()[7].endswith(", MoE experts copied 1.2 GB")
+    assert format_status(s).splitlines()[8].endswith(", MoE experts copied 1.2 GB")
+    assert s["speculation"]["enabled"] and "speculation  on, " in table
 
 
 def test_show_table_and_json(daemon):

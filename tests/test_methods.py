@@ -32,13 +32,15 @@ def test_generate_and_chat_params_become_engine_requests():
 def test_completion_result_map():
     c = Completion(text="ab", ids=[5, 6], finish_reason="length", prompt_tokens=10,
                    cached_tokens=4, cached_source=None, prefill_tokens=6, completion_tokens=2,
-                   prefill_ms=30.0, decode_ms=500.0, ttft_ms=35.0, logprobs=None)
+                   prefill_ms=30.0, decode_ms=500.0, ttft_ms=35.0, logprobs=None,
+                   drafted_tokens=3, accepted_tokens=1)
     m = completion_result(c, queue_ms=1.5, ttft_ms=40.0)
     assert m == {"text": "ab", "ids": [5, 6], "finish_reason": "length",
                  "usage": {"prompt_tokens": 10, "cached_tokens": 4, "cached_source": None,
                            "prefill_tokens": 6, "completion_tokens": 2},
                  "timings": {"queue_ms": 1.5, "prefill_ms": 30.0, "decode_ms": 500.0,
-                             "ttft_ms": 40.0, "prefill_tok_s": 200.0, "decode_tok_s": 4.0}}
+                             "ttft_ms": 40.0, "prefill_tok_s": 200.0, "decode_tok_s": 4.0,
+                             "drafted_tokens": 3, "accepted_tokens": 1}}
     lp = [{"id": 5, "logprob": -0.1, "top": [[5, -0.1]]}]
     c.logprobs = lp
     assert completion_result(c, 0, 0)["logprobs"] == lp

@@ -67,11 +67,13 @@ def test_features_of_the_engine_branch_are_passed_through_by_name():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"messages": USER, "n": 2}, "n"),
+    ({"messages": USER, "n": 17}, "n"),
+    ({"messages": USER, "n": 0}, "n"),
     ({"messages": USER, "n": True}, "n"),
-    ({"messages": USER, "model": "gpt-4"}, "model"),
     ({"messages": USER, "model": 5}, "model"),
-    ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"x1": 5}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"-1": 5}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": [1]}, "logit_bias"),
     ({"messages": USER, "stream": 1}, "stream"),
     ({"messages": USER, "stream": True, "stream_options": []}, "stream_options"),
     ({"messages": USER, "logprobs": "yes"}, "logprobs"),
@@ -91,6 +93,35 @@ def test_chat_request_refusals_name_the_field(body, param):
     assert e.value.param == param and error_body(e.value)["error"]["param"] == param
 
 
+def test_another_model_name_is_answered_unless_strict():
+    """Clients that hard-code a model name get the loaded model (llama.cpp's behaviour);
+    under --strict-model they get OpenAI's model_not_found, unless they name an alias."""
+    from kestreld.errors import ModelNotFound
+    assert chat_request({"messages": USER, "model": "gpt-4o"}, MODEL).params["messages"]
+    served = (MODEL, "qwen3:0.6b")
+    assert chat_request({"messages": USER, "model": MODEL}, MODEL, strict=served).n == 1
+    assert chat_request({"messages": USER, "model": "qwen3:0.6b"}, MODEL, strict=served).n == 1
+    with pytest.raises(ModelNotFound) as e:
+        completion_request({"prompt": "x", "model": "gpt-4o"}, MODEL, strict=served)
+    assert e.value.http_status == 404 and error_body(e.value)["error"] == {
+        "message": e.value.args[0], "type": "not_found_error", "param": "model",
+        "code": "model_not_found"}
+
+
+def test_n_logit_bias_and_parallel_tool_calls_reach_the_rpc_params():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    req = chat_request({"messages": USER, "n": 3, "logit_bias": {"5": -100, "17": 2.5},
+                        "tools": tools, "parallel_tool_calls": False}, MODEL)
+    assert req.n == 3 and req.params["logit_bias"] == {5: -100, 17: 2.5}
+    params = validate_params("chat", req.params, vocab_size=100)
+    assert params.options["logit_bias"] == {5: -100.0, 17: 2.5}
+    assert params.parallel_tool_calls is False
+    for bias in ({"100": 1}, {"5": 101}, {"5": "x"}):
+        with pytest.raises(BadRequest, match="logit_bias"):
+            validate_params("chat", chat_request({"messages": USER, "logit_bias": bias},
+                                                 MODEL).params, vocab_size=100)
+
+
 def test_completion_request():
     assert completion_request({"prompt": ["Hi"], "logprobs": 2}, MODEL).params == {
         "prompt": "Hi", "stream": False, "logprobs": 2}
@@ -108,7 +139,7 @@ def test_completion_request():
 
 def test_chat_response_shape():
     req = chat_request({"messages": USER, "logprobs": True, "top_logprobs": 1}, MODEL)
-    out = Answer(req, MODEL, token_bytes, created=123).response(RESULT)
+    out = Answer(req, MODEL, token_bytes, created=123).response([RESULT])
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
     assert out["created"] == 123 and out["model"] == MODEL
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "Paris",
@@ -121,7 +152,7 @@ def test_chat_response_shape():
                           "top_logprobs": [{"token": "Par", "logprob": -0.1, "bytes": list(b"Par")}]}
     # an incomplete UTF-8 token: replacement character in `token`, the raw bytes in `bytes`
     half = Answer(chat_request({"messages": USER, "logprobs": True, "top_logprobs": 2}, MODEL),
-                  MODEL, token_bytes, 0).response(RESULT)["choices"][0]["logprobs"]["content"][1]
+                  MODEL, token_bytes, 0).response([RESULT])["choices"][0]["logprobs"]["content"][1]
     assert half["top_logprobs"][1] == {"token": "\ufffd", "logprob": -3.0, "bytes": [0xe2, 0x82]}
 
 
@@ -133,13 +164,13 @@ def test_tool_calls_of_the_completion_map_come_back_in_openai_shape():
     calls = wire_tool_calls([ToolCall("call_1", "weather", "{\"city\": \"Oslo\"}")])
     req = chat_request({"messages": USER, "stream": True}, MODEL)
     answer = Answer(req, MODEL, token_bytes, 0)
-    out = answer.response(dict(RESULT, text="", tool_calls=calls, finish_reason="tool_calls"))
+    out = answer.response([dict(RESULT, text="", tool_calls=calls, finish_reason="tool_calls")])
     assert out["choices"][0]["message"]["tool_calls"] == [
         {"id": "call_1", "type": "function",
          "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]
     assert out["choices"][0]["finish_reason"] == "tool_calls"
     for n in range(2):
-        chunk = answer.token_chunk({"text": "", "ids": [], "tool_calls": calls})
+        (chunk,) = answer.token({"text": "", "ids": [], "tool_calls": calls})
         assert chunk["choices"][0]["delta"]["tool_calls"][0]["index"] == n
 
 
@@ -147,20 +178,25 @@ def test_stream_chunks():
     req = chat_request({"messages": USER, "stream": True, "stream_options": {"include_usage": True}},
                        MODEL)
     a = Answer(req, MODEL, token_bytes, 0)
-    assert a.first_chunk()["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert a.token_chunk({"text": "", "ids": [1]}) is None           # nothing to show yet
-    think = a.token_chunk({"text": "", "ids": [2], "reasoning": "hmm"})
+    (first,) = a.opening(0)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert a.token({"text": "", "ids": [1]}) == []           # nothing to show yet
+    (think,) = a.token({"text": "", "ids": [2], "reasoning": "hmm"})
     assert think["choices"][0]["delta"] == {"reasoning_content": "hmm"} and think["usage"] is None
-    last, usage = a.last_chunks(RESULT)
+    (last,) = a.finish(RESULT)
     assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
-    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 12
+    a.opening(1)                                              # the second choice (n = 2)
+    (last,) = a.finish(RESULT)
+    assert last["choices"][0]["index"] == 1
+    (usage,) = a.closing([RESULT, RESULT])
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 14
     plain = Answer(chat_request({"messages": USER, "stream": True}, MODEL), MODEL, token_bytes, 0)
-    assert len(plain.last_chunks(RESULT)) == 1 and "usage" not in plain.last_chunks(RESULT)[0]
+    assert plain.closing([RESULT]) == [] and "usage" not in plain.finish(RESULT)[0]
     text = Answer(completion_request({"prompt": "x", "stream": True, "logprobs": 1}, MODEL),
                   MODEL, token_bytes, 0)
-    assert text.first_chunk() is None
-    first = text.token_chunk({"text": "Par", "ids": [5], "logprobs": RESULT["logprobs"][:1]})
-    second = text.token_chunk({"text": "is", "ids": [6], "logprobs": RESULT["logprobs"][1:]})
+    assert text.opening(0) == []
+    (first,) = text.token({"text": "Par", "ids": [5], "logprobs": RESULT["logprobs"][:1]})
+    (second,) = text.token({"text": "is", "ids": [6], "logprobs": RESULT["logprobs"][1:]})
     assert first["choices"][0]["text"] == "Par" and first["object"] == "text_completion"
     assert second["choices"][0]["logprobs"]["text_offset"] == [3]
 
@@ -170,3 +206,10 @@ def test_error_body_types():
         "message": "full", "type": "rate_limit_error", "param": None, "code": "queue_full"}
     assert error_body(ShuttingDown("bye"))["error"]["type"] == "unavailable_error"
     assert error_body(BadRequest("x", param="n"))["error"]["param"] == "n"
+    # OpenAI's code for a prompt the context cannot hold (the RPC socket keeps its own)
+    from kestreld.errors import PromptTooLong
+    too_long = PromptTooLong("the prompt has 9000 tokens", param="messages")
+    assert too_long.to_wire()["code"] == "prompt_too_long"
+    assert error_body(too_long)["error"] == {
+        "message": "the prompt has 9000 tokens", "type": "invalid_request_error",
+        "param": "messages", "code": "context_length_exceeded"}

@@ -133,3 +133,23 @@ def test_the_mask_applies_to_greedy_and_sampling_and_the_choice_is_committed():
     draws = {s.next_token(lg, [], []) for _ in range(200)}
     assert draws == {0, 2, 4}
     assert len(c.committed) == 201 and set(c.committed) == {0, 2, 4}
+
+
+def test_logit_bias_adds_and_minus_100_bans():
+    lg = np.array([5.0, 1.0, 0.0, -2.0], dtype=np.float32)
+    s = Sampler(SamplingOptions(logit_bias=((0, -100.0), (2, 3.5))))
+    out = s.penalize(lg, [], [])
+    assert np.isneginf(out[0]) and out[2] == 3.5 and out[1] == 1.0
+    assert s.choose(out) == 2 and lg[0] == 5.0             # input untouched
+    assert Sampler(SamplingOptions(logit_bias=((3, 7.5),))).next_token(lg, [], []) == 3
+    banned = Sampler(SamplingOptions(temperature=1.0, seed=0, logit_bias=((0, -100.0),)))
+    assert 0 not in {banned.next_token(lg, [], []) for _ in range(300)}
+
+
+def test_a_denormal_repeat_penalty_never_makes_nan():
+    """repeat_penalty 5e-324 (found by the HTTP fuzz run): a positive logit divided by it is
+    capped, not inf, so the draw has finite probabilities."""
+    lg = np.array([4.0, 1.0, -1.0], dtype=np.float32)
+    s = Sampler(SamplingOptions(temperature=1.0, repeat_penalty=5e-324, seed=0))
+    out = s.penalize(lg, [0, 1, 2], [])
+    assert np.isfinite(out).all() and s.choose(out) in (0, 1)

@@ -143,9 +143,44 @@ def _engine_reason(matcher) -> str:
 
 # ---------------------------------------------------------------- grammars
 
+# the keywords whose value is a subschema, a list of them, or a map of names to them
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+              "additionalProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+
+
+def closed_objects(schema):
+    """`schema` with `"additionalProperties": false` on every object schema that lists
+    `properties` and says nothing of other keys (a copy). JSON Schema lets such an object
+    hold any other key; for generation that is an invitation to invent keys without end,
+    so Kestrel reads it as llama.cpp's grammars and OpenAI's strict mode do: only the
+    listed keys. An object without `properties` (`{"type": "object"}`) stays open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and "patternProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def _json(schema: dict) -> str:
-    """A Lark `%json` body: `schema` with Kestrel's JSON options."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+    """A Lark `%json` body: `schema`, its objects closed (`closed_objects`), with Kestrel's
+    JSON options."""
+    return "%json " + json.dumps({**closed_objects(schema), "x-guidance": JSON_OPTIONS},
+                                 ensure_ascii=False)
 
 
 def _lark_string(text: str) -> str:
@@ -193,10 +228,11 @@ def answer_grammar(response_format: Optional[ResponseFormat], tools: Optional[To
 
 def _call_rules(tools: ToolUse) -> list:
     """Qwen3's tool-call blocks: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-    one after another on their own lines."""
+    one after another on their own lines; exactly one when the answer makes one call (a
+    named function, or parallel_tool_calls false)."""
     schemas = tools.call_schemas()
     call_json = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    calls = "call" if tools.only is not None else 'call ("\\n" call)*'
+    calls = "call" if tools.single else 'call ("\\n" call)*'
     return [f"calls: {calls}",
             f"call: {_lark_string(CALL_OPEN + chr(10))} call_json {_lark_string(chr(10) + CALL_CLOSE)}",
             f"call_json: {_json(call_json)}"]

@@ -1,5 +1,7 @@
-"""The generate loop, in phases: `prefill` a prompt into the KV cache, `decode_one` token,
-and `Engine.generate`: prefix rule -> (disk KV) -> prefill -> decode, sample, stream.
+"""The generate loop, in phases: `prefill` a prompt into the KV cache, then decode, and
+`Engine.generate`: prefix rule -> (disk KV) -> prefill -> decode, sample, stream. Decode
+feeds each chosen token through a speculate.Feeder, which verifies drafts from the context
+in the same pass when speculation is on (exact: the same ids as without it).
 
 `Engine` holds what lives as long as the process: the model, its forward pass, the KV
 cache, the prefix counters and the disk KV. It is not thread-safe: exactly one thread (the
@@ -24,6 +26,7 @@ from .kvcache import KVCache
 from .prefix import PrefixCache
 from .prompt import Prompt, PromptBuilder, Request
 from .sampler import Sampler, SamplingOptions
+from .speculate import Drafter, Feeder
 
 
 @dataclass
@@ -55,6 +58,8 @@ class Completion:
     decode_ms: float
     ttft_ms: float                  # from generate() start to the first sampled token
     logprobs: Optional[list] = None
+    drafted_tokens: int = 0         # speculation: tokens drafted from the context
+    accepted_tokens: int = 0        # of which chosen (each saved a forward pass)
     prefix_event: str = ""          # the [KV-PREFIX] log line of this request
     images: Optional[ImageFigures] = None
     reasoning: Optional[str] = None  # the thinking block, when the prompt splits it off
@@ -92,15 +97,23 @@ class _Output:
     """The answer's text as it is emitted: split into text and reasoning when the prompt
     splits it, its tool calls parsed out of the text when the prompt offers tools (after
     the split: the thinking block stays apart), streamed to `on_token` and kept for the
-    Completion."""
+    Completion.
+
+    The calls end the answer (`ended`) at the first call when it may make only one
+    (parallel_tool_calls false), and at a call that repeats an earlier one word for word
+    (dropped): a model looping on the same call would otherwise run to max_tokens. A
+    forced answer (tool_choice "required" or named) is calls only: a block the length
+    limit cut off is dropped, never shown as text."""
 
     def __init__(self, on_token: Optional[TokenFn], prompt: Prompt):
         self.on_token = on_token
         self.splitter = ReasoningSplitter(bool(prompt.thinking)) if prompt.split_reasoning else None
         self.parser = ToolCallParser() if prompt.tools is not None else None
+        self.tools = prompt.tools
         self.text: list = []
         self.reasoning: list = []
         self.calls: list = []
+        self.ended = False
 
     def emit(self, ids: list, piece: str, logprobs: Optional[list]) -> None:
         thought = None
@@ -109,7 +122,24 @@ class _Output:
         calls = []
         if self.parser is not None:
             piece, calls = self.parser.feed(piece)
+            calls = self._new_calls(calls)
         self._send(ids, piece, thought, calls, logprobs)
+
+    def _new_calls(self, calls: list) -> list:
+        """The calls that do not repeat an earlier one, up to the one call of a single-call
+        answer; sets `ended` when the answer should stop here."""
+        seen = {(c.name, c.arguments) for c in self.calls}
+        out = []
+        for call in calls:
+            if self.ended:
+                break
+            if (call.name, call.arguments) in seen:
+                self.ended = True
+                break
+            seen.add((call.name, call.arguments))
+            out.append(call)
+            self.ended = self.tools.single
+        return out
 
     def close(self) -> tuple[str, Optional[str], list]:
         """(text, reasoning or None, tool calls) of the whole answer; what the splitter and
@@ -119,7 +149,9 @@ class _Output:
         if self.parser is not None:
             piece, calls = self.parser.feed(piece)
             rest, more = self.parser.flush()
-            piece, calls = piece + rest, calls + more
+            if self.tools.required:
+                rest = ""              # a forced call cut off by the length limit
+            piece, calls = piece + rest, self._new_calls(calls + more)
         if piece or thought or calls:
             self._send([], piece, thought, calls, None)
         reasoning = "".join(self.reasoning) if self.splitter is not None else None
@@ -158,13 +190,6 @@ def prefill(forward: Forward, prompt: Prompt, chunk: int, should_stop: Optional[
     return logits
 
 
-def decode_one(forward: Forward, token: int, rope_delta: int = 0) -> np.ndarray:
-    """Feed one sampled token after the cache's rows; its logits (1, vocab). `rope_delta`
-    (Qwen3-VL after images): RoPE turns it by its position + delta."""
-    pos = forward.kv.cache_len
-    return forward([token], rope_pos0=pos + rope_delta if rope_delta else None)
-
-
 def _as_prompt(prompt: Union[Prompt, Sequence[int]]) -> Prompt:
     return prompt if isinstance(prompt, Prompt) else Prompt([int(i) for i in prompt])
 
@@ -174,7 +199,7 @@ class Engine:
 
     def __init__(self, model, max_seq: int = 8192, threads: int = 1, prefix_kv: bool = True,
                  prefix_min: int = 16, kv_bs: int = 32, prefill_chunk: int = 256,
-                 disk_kv=None, image_dir: Optional[str] = None):
+                 disk_kv=None, image_dir: Optional[str] = None, speculate: bool = True):
         self.model = model
         self.tokenizer = model.tokenizer
         self.threads = threads
@@ -185,6 +210,9 @@ class Engine:
         self.prefix = PrefixCache(prefix_kv, prefix_min)
         self.prompts = PromptBuilder(model, max_seq, image_dir)
         self.disk_kv = disk_kv      # diskkv.DiskKV or None: snapshots that outlive the process
+        self.speculate = speculate  # drafts from the context (speculate.py), unless a request says not
+        self.drafted = 0            # tokens drafted and accepted, over the process' life
+        self.accepted = 0
         self.disk_kv_error: Optional[str] = None  # why --disk-kv's directory is not used
         self._grammar_vocab: Optional[GrammarVocabulary] = None   # at the first grammar
 
@@ -193,7 +221,7 @@ class Engine:
         """An engine sized by a kestreld Config."""
         return cls(model, max_seq=cfg.max_seq, threads=cfg.n_threads, prefix_kv=cfg.prefix_kv,
                    prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk,
-                   disk_kv=disk_kv, image_dir=cfg.image_dir)
+                   disk_kv=disk_kv, image_dir=cfg.image_dir, speculate=cfg.speculate)
 
     # ---- text (any thread) ----------------------------------------------------------
     def prompt(self, request: Request) -> Prompt:
@@ -207,7 +235,9 @@ class Engine:
         return self.tokenizer.decode(list(ids))
 
     def stats(self) -> dict:
-        return {"cache_len": self.kv.cache_len, "prefix": self.prefix.stats()}
+        return {"cache_len": self.kv.cache_len, "prefix": self.prefix.stats(),
+                "speculation": {"enabled": self.speculate, "drafted": self.drafted,
+                                "accepted": self.accepted}}
 
     def close(self) -> None:
         """At shutdown: let the disk KV writer finish what is queued."""
@@ -255,13 +285,19 @@ class Engine:
         logits = prefill(self.forward, prompt, self.prefill_chunk, should_stop, on_progress)
         t_prefill = time.perf_counter()
         out = _Output(on_token, prompt)
+        feeder = self._feeder(prompt, opts)
         if logits is None:
             ids, finish, lps, t_first = [], "cancelled", None, None
         else:
-            ids, finish, lps, t_first = self._decode(prompt, logits, Sampler(opts, constraint),
-                                                     out, should_stop)
+            try:
+                ids, finish, lps, t_first = self._decode(prompt, logits, Sampler(opts, constraint),
+                                                         feeder, out, should_stop)
+            finally:
+                feeder.finish()
+        self.drafted += feeder.drafted
+        self.accepted += feeder.accepted
         text, reasoning, calls = out.close()
-        if calls and finish == "stop":
+        if calls and (finish == "stop" or (finish == "length" and prompt.tools.required)):
             finish = "tool_calls"
         t_end = time.perf_counter()
         if self.disk_kv is not None:
@@ -271,7 +307,8 @@ class Engine:
             cached_tokens=keep, cached_source=source, prefill_tokens=len(prompt.ids) - keep,
             completion_tokens=len(ids), prefill_ms=(t_prefill - t0) * 1e3,
             decode_ms=(t_end - t_prefill) * 1e3, ttft_ms=((t_first or t_end) - t0) * 1e3,
-            logprobs=lps, prefix_event=plan.log_line,
+            logprobs=lps, drafted_tokens=feeder.drafted, accepted_tokens=feeder.accepted,
+            prefix_event=plan.log_line,
             images=vision.figures() if vision is not None else None, reasoning=reasoning,
             tool_calls=calls or None)
 
@@ -300,13 +337,23 @@ class Engine:
             self._grammar_vocab = GrammarVocabulary(self.tokenizer, self.vocab_size)
         return Constraint(self._grammar_vocab, grammar)
 
-    def _decode(self, prompt: Prompt, logits: np.ndarray, sampler: Sampler, out: "_Output",
-                should_stop: Optional[StopFn]):
-        """Sample, stream (through `out`) and feed tokens after the prefill. Returns
-        (generated ids without an ending end-of-sequence id, finish_reason, logprobs or
-        None, time of the first token)."""
-        ids = prompt.ids
+    def _feeder(self, prompt: Prompt, opts: SamplingOptions) -> Feeder:
+        """What feeds the chosen tokens back: with a drafter when speculation is on for the
+        engine and the request."""
+        vision = self.model.vision
         delta = prompt.vision.delta if prompt.vision is not None else 0
+        drafter = None
+        if self.speculate and opts.speculate:
+            exclude = (vision.cfg.image_token_id,) if vision is not None else ()
+            drafter = Drafter(prompt.ids, self.kv.max_seq, exclude)   # the most ids a context has
+        return Feeder(self.forward, drafter, delta)
+
+    def _decode(self, prompt: Prompt, logits: np.ndarray, sampler: Sampler, feeder: Feeder,
+                out: "_Output", should_stop: Optional[StopFn]):
+        """Sample, stream (through `out`) and feed (through `feeder`) tokens after the
+        prefill. Returns (generated ids without an ending end-of-sequence id,
+        finish_reason, logprobs or None, time of the first token)."""
+        ids = prompt.ids
         opts = sampler.opts
         max_tokens = min(opts.max_tokens, self.kv.max_seq - len(ids))
         decoder = self.tokenizer.incremental_decoder()
@@ -340,7 +387,7 @@ class Engine:
             out.emit(pending, text[emitted:safe], lps[-1:] if lps is not None else None)
             pending = []
             emitted = safe
-            if sampler.finished:          # the grammar is complete: only the end may follow
+            if sampler.finished or out.ended:   # the grammar is complete, or the calls are
                 finish = "stop"
                 break
             if len(generated) >= max_tokens:
@@ -348,7 +395,7 @@ class Engine:
             if should_stop is not None and should_stop():
                 finish = "cancelled"
                 break
-            logits = decode_one(self.forward, tok, delta)
+            logits = feeder.next_logits(tok, max_tokens - len(generated))
         if finish != "stop" or stops.find(text) < 0:
             text += decoder.flush()
         if pending or emitted < len(text):

@@ -46,12 +46,14 @@ class ChatInput:
     `split_reasoning`: the answer's thinking block comes back apart (text/reasoning.py).
     `tools`: OpenAI function specs the answer may call ({"type": "function", "function":
     {"name", "description", "parameters"}}); `tool_choice`: "auto", "none" (no tools
-    rendered), "required", or {"type": "function", "function": {"name"}} (that one)."""
+    rendered), "required", or {"type": "function", "function": {"name"}} (that one);
+    `parallel_tool_calls` False: at most one call."""
     messages: tuple
     enable_thinking: bool = False
     split_reasoning: bool = False
     tools: tuple = ()
     tool_choice: Union[str, dict] = "auto"
+    parallel_tool_calls: bool = True
 
     def tool_use(self) -> Optional[ToolUse]:
         """The tools the answer may call and how, or None (no tools, or "none")."""
@@ -61,8 +63,10 @@ class ChatInput:
             name = self.tool_choice["function"]["name"]
             if name not in {t["function"]["name"] for t in self.tools}:
                 raise BadRequest(f"tool_choice names function {name!r}, which is not in tools")
-            return ToolUse(self.tools, required=True, only=name)
-        return ToolUse(self.tools, required=self.tool_choice == "required")
+            return ToolUse(self.tools, required=True, only=name,
+                           parallel=self.parallel_tool_calls)
+        return ToolUse(self.tools, required=self.tool_choice == "required",
+                       parallel=self.parallel_tool_calls)
 
 
 Request = Union[TextInput, ChatInput]
@@ -129,17 +133,27 @@ class PromptBuilder:
             return Prompt(list(request.ids))
         return Prompt(self.tokenize(request.text, add_special=True))
 
-    def _chat(self, request: ChatInput) -> Prompt:
+    def chat_text(self, request: ChatInput,
+                  guard: Optional[ControlGuard] = None) -> tuple[str, list]:
+        """The prompt text of a conversation (images as their placeholders), and its
+        image parts; BadRequest for images to a model without a vision encoder. With
+        `guard`, the client's control-token texts are its placeholders (text/control.py)."""
         rendered, parts = chat_images([_flatten_text(m) for m in request.messages])
-        vision = self.model.vision
-        if parts and vision is None:
+        if parts and self.model.vision is None:
             hint = (" (a Qwen3-VL text GGUF: start kestreld with --mmproj FILE for its vision "
                     "encoder)" if self.model.config.arch == "qwen3vl" else "")
             raise BadRequest(f"the model {self.model.config.name} takes no images{hint}")
         tools = request.tool_use()
+        if guard is not None:
+            rendered = guard.hide(rendered)
+            tools = None if tools is None else replace(tools, tools=guard.hide(tools.tools))
+        return self.render_chat(rendered, request.enable_thinking, tools), parts
+
+    def _chat(self, request: ChatInput) -> Prompt:
         guard = ControlGuard(self.tokenizer)       # the client's text stays text
-        hidden_tools = None if tools is None else replace(tools, tools=guard.hide(tools.tools))
-        text = self.render_chat(guard.hide(rendered), request.enable_thinking, hidden_tools)
+        text, parts = self.chat_text(request, guard)
+        vision = self.model.vision
+        tools = request.tool_use()
         self._check_length(guard.restore(text))
         ids = guard.encode(text)
         thinking = True if opens_thinking(text) else (False if request.enable_thinking else None)

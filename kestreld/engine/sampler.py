@@ -1,10 +1,10 @@
 """Choosing the next token from logits: penalties, a grammar's mask, greedy or sampled,
 log-probabilities.
 
-Order (as llama.cpp's default chain): repeat penalty -> presence / frequency penalties ->
-the grammar's mask (response_format, forced tool calls: engine/constraint.py) -> (greedy:
-argmax) or temperature -> top-k -> top-p -> min-p -> draw with the request's seeded
-generator; the chosen token is then committed to the grammar.
+Order (as llama.cpp's default chain): logit_bias -> repeat penalty -> presence /
+frequency penalties -> the grammar's mask (response_format, forced tool calls:
+engine/constraint.py) -> (greedy: argmax) or temperature -> top-k -> top-p -> min-p -> draw
+with the request's seeded generator; the chosen token is then committed to the grammar.
 Log-probabilities are those of the model (log-softmax of the raw logits).
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Optional
 import numpy as np
 
 REPEAT_WINDOW = 64   # tokens looked back by the repeat penalty (llama.cpp's default)
+BAN = 100.0          # a logit_bias of -100 bans its token
+_FLOAT64_MAX = float(np.finfo(np.float64).max)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class SamplingOptions:
     ignore_eos: bool = False
     logprobs: int = 0               # top-k log-probabilities per generated token
     response_format: Optional[ResponseFormat] = None
+    speculate: bool = True          # drafts from the context, where the daemon speculates
+    logit_bias: tuple = ()          # ((token id, bias), ...): added to the logits; -100 bans
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -73,15 +77,25 @@ class Sampler:
         return self.constraint is not None and self.constraint.finished
 
     def penalize(self, logits: np.ndarray, prompt_ids, generated) -> np.ndarray:
-        """The repeat penalty, then the presence and frequency penalties (a copy; `logits`
-        is left as it is)."""
-        out = self._repeat_penalty(logits, prompt_ids, generated)
+        """logit_bias, the repeat penalty, then the presence and frequency penalties (a
+        copy when any applies; `logits` is left as it is)."""
+        out = self._repeat_penalty(self._bias(logits), prompt_ids, generated)
         o = self.opts
         if (o.presence_penalty == 0.0 and o.frequency_penalty == 0.0) or not generated:
             return out
         ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
         out = out.astype(np.float64)     # a copy even when the repeat penalty made none
         out[ids] -= o.presence_penalty + o.frequency_penalty * counts
+        return out
+
+    def _bias(self, logits: np.ndarray) -> np.ndarray:
+        """OpenAI's logit_bias: each bias added to its token's logit; -100 bans the token
+        (-inf: it is never chosen, as OpenAI documents -100)."""
+        if not self.opts.logit_bias:
+            return logits
+        out = logits.astype(np.float64)
+        for token, bias in self.opts.logit_bias:
+            out[token] = -np.inf if bias <= -BAN else out[token] + bias
         return out
 
     def _repeat_penalty(self, logits: np.ndarray, prompt_ids, generated) -> np.ndarray:
@@ -98,10 +112,8 @@ class Sampler:
         out = logits.astype(np.float64)
         ids = np.unique(np.asarray(recent, dtype=np.int64))
         vals = out[ids]
-        # a tiny penalty (5e-324) overflows even float64: capped at the largest finite value,
-        # as inf would make the sampler's inf - inf a NaN
-        with np.errstate(over="ignore"):
-            out[ids] = np.minimum(np.where(vals > 0, vals / p, vals * p), np.finfo(np.float64).max)
+        with np.errstate(over="ignore"):      # a denormal penalty: capped, never inf (inf - inf)
+            out[ids] = np.where(vals > 0, np.minimum(vals / p, _FLOAT64_MAX), vals * p)
         return out
 
     def choose(self, logits: np.ndarray) -> int:

@@ -91,6 +91,7 @@ class Config:
     max_seq: int = 8192                  # KV arena capacity in tokens (allocated once)
     threads: int = 0                     # 0: number of performance cores
     prefix_kv: bool = True               # reuse the KV of the longest common prefix
+    speculate: bool = True               # draft from the context, verify in one pass (exact)
     memory_check: bool = True            # refuse a model whose weights + arena exceed MemAvailable
     interleave: bool = True              # copy the matrices that have an interleaved product into it
     prefix_min: int = 16                 # LCP below this is a miss (design source: 16)
@@ -115,6 +116,8 @@ class Config:
     http_allow_remote: bool = False      # allow non-loopback HTTP addresses (and any Host header)
     http_api_key_file: Optional[str] = None  # the Bearer key the HTTP API then requires
     http_cors_origin: tuple = ()         # origins the HTTP API allows by CORS (none: no CORS headers)
+    alias: tuple = ()                    # more names of the model in the HTTP API ("qwen3-vl:2b")
+    strict_model: bool = False           # HTTP: a request naming another model is refused (404)
     cpu_sysfs: str = SYSFS_CPU           # where cpu*/cpu_capacity tell the big cores (config file only)
 
     def __post_init__(self):
@@ -133,6 +136,10 @@ class Config:
             if not (address.loopback or self.http_allow_remote):
                 raise ValueError(f"http: {address} is not a loopback address; "
                                  f"give http-allow-remote to listen on it")
+        for name in self.alias:
+            if not 0 < len(name) <= 200 or any(c.isspace() or not c.isprintable() for c in name):
+                raise ValueError(f"alias must be 1..200 printable characters without spaces, "
+                                 f"got {name[:60]!r}")
         if self.kv_bs < 16 or self.kv_bs & (self.kv_bs - 1):
             raise ValueError(f"kv-bs must be a power of two >= 16 (the attention kernel's "
                              f"vector width), got {self.kv_bs}")
@@ -160,7 +167,7 @@ _ENV = {  # environment variable -> field
 
 
 _SWITCHES_OFF = {"no_prefix_kv": "prefix_kv", "no_memory_check": "memory_check",
-                 "no_interleave": "interleave"}
+                 "no_interleave": "interleave", "no_speculate": "speculate"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -184,6 +191,9 @@ def _parser() -> argparse.ArgumentParser:
       "mapped pages are released), which the products read faster")
     a("--no-prefix-kv", dest="prefix_kv", action="store_const", const=False,
       help="never reuse the previous request's KV")
+    a("--no-speculate", dest="speculate", action="store_const", const=False,
+      help="decode one token per pass; by default drafts from the prompt and the answer are "
+      "verified in one pass (the same tokens either way: docs/speculation.md)")
     a("--prefix-min", type=int, help="shortest common prefix reused (default 16)")
     a("--kv-bs", type=int, help="attention key block size (default 32)")
     a("--prefill-chunk", type=int, help="prefill chunk in tokens (default 256)")
@@ -221,6 +231,12 @@ def _parser() -> argparse.ArgumentParser:
       help="file holding the API key that HTTP requests must send as `Authorization: Bearer KEY`")
     a("--http-cors-origin", action="append", metavar="ORIGIN",
       help="origin allowed to call the HTTP API from a browser (CORS); repeatable (default none)")
+    a("--alias", action="append", metavar="NAME",
+      help="another name the HTTP API serves the model under, as apps are configured with it "
+      "(Ollama's `qwen3-vl:2b`); repeatable; docs/http.md")
+    a("--strict-model", action="store_const", const=True,
+      help="HTTP API: refuse a request naming another model (404 model_not_found); by "
+      "default the loaded model answers whatever model a client names, as llama.cpp does")
     a("--config", dest="config_file",
       help=f"config file of `key = value` lines (default {DEFAULT_CONFIG_FILE} if present)")
     return p

@@ -5,7 +5,8 @@ send nothing (any member of the socket's group, or any local process for the HTT
 used every descriptor of RLIMIT_NOFILE, and then `status`, `ping` and /health all failed.
 So each listener accepts at most `max_connections` at once: one more is accepted and
 closed at once (with a short reply where the protocol has one), which frees its
-descriptor. Idle connections are closed after `idle_timeout` (server.py, http.py).
+descriptor. Idle connections are closed after `idle_timeout` (server.py, http.py), and
+`cut_stalled_readers` aborts connections whose clients stopped reading their answers.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import asyncio
 import logging
 import resource
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 log = logging.getLogger("kestreld.service.connlimit")
 
@@ -74,3 +75,28 @@ def raise_nofile_limit(needed: int) -> int:
                     "plus %d: lower max-connections or raise LimitNOFILE", soft, needed,
                     SPARE_FDS)
     return soft
+
+
+async def cut_stalled_readers(transports: Callable[[], Iterable[asyncio.BaseTransport]],
+                              timeout: float, what: str) -> None:
+    """Forever: abort each of `transports()` whose unsent bytes have not shrunk for
+    `timeout` seconds. Unsent bytes wait in user space only once the kernel's buffers are
+    full: the client reads nothing. Without this a stream nobody read was generated in
+    full into memory; aborted, its handler is cancelled, which withdraws its job."""
+    seen: dict = {}                       # transport -> (unsent bytes, since when)
+    while True:
+        await asyncio.sleep(max(timeout / 4, 0.05))
+        now, current = time.monotonic(), {}
+        for t in transports():
+            size = 0 if t.is_closing() else t.get_write_buffer_size()
+            if not size:
+                continue
+            last = seen.get(t)
+            since = last[1] if last is not None and size >= last[0] else now
+            if now - since >= timeout:
+                log.info("%s: a client read nothing of its answer for %d s (%d bytes unsent): "
+                         "closing its connection", what, timeout, size)
+                t.abort()
+            else:
+                current[t] = (size, since)
+        seen = current

@@ -20,6 +20,7 @@ scheduler (removed if queued, stopped within a prefill chunk or a token if runni
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -31,15 +32,18 @@ from typing import Optional
 
 from aiohttp import web
 
-from ..errors import (BadRequest, KestrelError, Loading, MethodNotAllowed, NotFound,
-                      PermissionDenied, ShuttingDown, StartupError, TooLarge, Unauthorized,
-                      UnsupportedMediaType, internal)
+from ..errors import (BadRequest, KestrelError, Loading, MethodNotAllowed, ModelNotFound,
+                      NotFound, PermissionDenied, PromptTooLong, ShuttingDown, StartupError,
+                      TooLarge, Unauthorized, UnsupportedMediaType,
+                      internal)
 from .config import Config, HttpAddress
-from .connlimit import Bounded
-from .methods import Methods, completion_result, token_payload
+from .connlimit import Bounded, cut_stalled_readers
+from .methods import Methods, completion_result, nth_choice, token_payload
 from .metrics import CONTENT_TYPE, Metrics
-from .openai import (CHAT_PATH, COMPLETIONS_PATH, Answer, Translated, chat_request,
-                     completion_request, error_body, model, models)
+from .native import PATHS as NATIVE_PATHS, NativeRoutes, error_body_for, read_json
+from .openai import (Answer, Translated, chat_request, completion_request, model,
+                     models)
+from .responses import ResponseAnswer, responses_request
 from .scheduler import Done, Failed, Progress, Token
 from .server import bind_unix_socket, remove_own_socket
 
@@ -52,7 +56,12 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
          b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(_BUSY_BODY) + _BUSY_BODY)
 HTTP_CONN_ID = 0              # the scheduler's conn_id of HTTP jobs (RPC connections count from 1)
 SHUTDOWN_TIMEOUT_S = 2.0      # after the scheduler is drained: time for the last answers to go out
-PATHS = (CHAT_PATH, COMPLETIONS_PATH, "/v1/models", "/health", "/metrics")
+# OpenAI's routes, under /v1 and also without it (a client given a base URL without /v1),
+# as llama.cpp's server serves them
+OPENAI_PREFIXES = ("/v1", "")
+OPENAI_PATHS = ("/chat/completions", "/completions", "/responses", "/models")
+PATHS = tuple(prefix + path for prefix in OPENAI_PREFIXES for path in OPENAI_PATHS) + (
+    "/health", "/metrics") + NATIVE_PATHS
 CORS_HEADERS = "Authorization, Content-Type"
 
 
@@ -135,14 +144,18 @@ class HttpApi:
         self.state = "loading"            # "loading" -> "ready" -> "stopping" -> "closed"
         self._next_msgid = 0
         self._own_sockets: list = []      # (path, identity) of Unix sockets we created
+        self._stall_watch: Optional[asyncio.Task] = None
         app = web.Application(client_max_size=cfg.max_message_bytes,
                               middlewares=[self._middleware])
-        app.router.add_post(CHAT_PATH, self._chat)
-        app.router.add_post(COMPLETIONS_PATH, self._completions)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/models/{model_id}", self._model)
+        for prefix in OPENAI_PREFIXES:
+            app.router.add_post(prefix + "/chat/completions", self._chat)
+            app.router.add_post(prefix + "/completions", self._completions)
+            app.router.add_post(prefix + "/responses", self._responses)
+            app.router.add_get(prefix + "/models", self._models)
+            app.router.add_get(prefix + "/models/{model_id}", self._model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        NativeRoutes(self).add_to(app)           # Ollama's and llama.cpp's routes (native.py)
         app.on_response_prepare.append(self._cors)
         # handler_cancellation: a closed connection cancels its handler (and so its job);
         # keepalive_timeout: aiohttp closes a connection waiting that long for a request
@@ -172,6 +185,10 @@ class HttpApi:
             site = _BoundedSite(self._runner, sock, self.cfg.max_connections)
             await site.start()
             where.append(site.name)
+        server = self._runner.server
+        self._stall_watch = asyncio.get_running_loop().create_task(cut_stalled_readers(
+            lambda: [h.transport for h in server.connections if h.transport is not None],
+            self.cfg.idle_timeout, "HTTP API"))
         return where
 
     def ready(self, methods: Methods, model_id: str) -> None:
@@ -195,6 +212,8 @@ class HttpApi:
         if self.state == "closed":
             return
         await self.stop_accepting()
+        if self._stall_watch is not None:
+            self._stall_watch.cancel()
         await self._runner.cleanup()
         self.state = "closed"
 
@@ -211,14 +230,15 @@ class HttpApi:
             else:
                 response = await handler(request)
         except web.HTTPException as e:
-            response = self._error(_from_http_exception(request, e, self.cfg.max_message_bytes))
+            response = self._error(_from_http_exception(request, e, self.cfg.max_message_bytes),
+                                   request.path)
         except ConnectionError:           # the client went away mid-answer: nobody to tell
             raise
         except KestrelError as e:
-            response = self._error(e)
+            response = self._error(e, request.path)
         except Exception as e:            # a bug here must not kill the daemon
             log.exception("HTTP %s %s: internal error", request.method, request.path)
-            response = self._error(internal(e))
+            response = self._error(internal(e), request.path)
         self.metrics.http_response(path, response.status)
         return response
 
@@ -279,8 +299,8 @@ class HttpApi:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
 
-    def _error(self, error: KestrelError) -> web.Response:
-        return web.json_response(error_body(error), status=error.http_status)
+    def _error(self, error: KestrelError, path: str) -> web.Response:
+        return web.json_response(error_body_for(path, error), status=error.http_status)
 
     def _serving(self) -> Methods:
         if self.state == "loading":
@@ -288,6 +308,10 @@ class HttpApi:
         if self.state == "stopping":
             raise ShuttingDown("the daemon is shutting down")
         return self.methods
+
+    def serving(self) -> Methods:
+        """The methods, once the model is loaded (Loading before, ShuttingDown after)."""
+        return self._serving()
 
     # ------------------------------------------------------------ endpoints
 
@@ -306,108 +330,132 @@ class HttpApi:
     async def _model(self, request: web.Request) -> web.Response:
         self._serving()
         if request.match_info["model_id"] != self.model_id:
-            raise NotFound(f"no model {request.match_info['model_id'][:100]!r}: this daemon "
-                           f"serves {self.model_id!r}")
+            raise ModelNotFound(f"no model {request.match_info['model_id'][:100]!r}: this "
+                                f"daemon serves {self.model_id!r}", param="model")
         return web.json_response(model(self.model_id, self.created))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat_request)
+        return await self._generate(request, chat_request, Answer)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, completion_request)
+        return await self._generate(request, completion_request, Answer)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, responses_request, ResponseAnswer)
 
     # ------------------------------------------------------------ generation
 
-    async def _generate(self, request: web.Request, translate) -> web.StreamResponse:
-        """Read, translate (openai.py), validate and submit; answer whole or streamed."""
+    async def _generate(self, request: web.Request, translate, shapes) -> web.StreamResponse:
+        """Read, translate (openai.py, responses.py), validate; run the request's `n`
+        choices one after another, each a job of the same prompt (so each later one finds
+        the prompt in the KV cache: the prefix rule keeps all of it but its last token);
+        answer whole or streamed in the `shapes` of the route. A seed given is choice i's
+        seed + i (methods.nth_choice)."""
         methods = self._serving()
-        req: Translated = translate(await _json(request), self.model_id)
-        params = methods.validate(req.method, req.params)
+        strict = (self.model_id, *self.cfg.alias) if self.cfg.strict_model else ()
+        req: Translated = translate(await read_json(request), self.model_id, strict)
+        try:
+            params = methods.validate(req.method, req.params)
+            answer = shapes(req, self.model_id,
+                            lambda i: methods.engine.tokenizer.token_bytes([i]), int(time.time()))
+            if req.stream:
+                return await self._stream(request, methods, params, answer, req.n)
+            results = [await self._result(methods, nth_choice(params, i), request.path)
+                       for i in range(req.n)]
+            return web.json_response(answer.response(results))
+        except PromptTooLong as e:        # OpenAI's context_length_exceeded names the field
+            e.param = e.param or req.prompt_param
+            raise
+
+    async def _events(self, methods: Methods, params, endpoint: str):
+        """The events of one job, up to its Done or Failed. If the consumer stops first
+        (the client went away: the handler is cancelled; a write failed), the job is
+        withdrawn: it must not run on for nobody."""
         events: asyncio.Queue = asyncio.Queue()
         self._next_msgid += 1
         job = methods.submit(HTTP_CONN_ID, self._next_msgid, params, events.put_nowait,
-                             transport="http", endpoint=request.path)
-        answer = Answer(req, self.model_id, lambda i: methods.engine.tokenizer.token_bytes([i]),
-                        int(time.time()))
-        finished = False
+                             transport="http", endpoint=endpoint)
         try:
-            if req.stream:
-                response = await self._stream(request, events, answer)
-            else:
-                response = await self._whole(events, answer)
-            finished = True
-            return response
+            while True:
+                ev = await events.get()
+                yield ev
+                if isinstance(ev, (Done, Failed)):
+                    return
         finally:
-            # the client went away (the handler is cancelled) or a write failed: the job
-            # must not run on for nobody
-            if not finished:
-                methods.scheduler.withdraw(job)
+            methods.scheduler.withdraw(job)      # nothing to do once it has finished
 
-    async def _whole(self, events: asyncio.Queue, answer: Answer) -> web.Response:
-        while True:
-            ev = await events.get()
-            if isinstance(ev, Done):
-                return web.json_response(answer.response(
-                    completion_result(ev.completion, ev.queue_ms, ev.ttft_ms)))
-            if isinstance(ev, Failed):
-                raise ev.error
-
-    async def _stream(self, request: web.Request, events: asyncio.Queue,
-                      answer: Answer) -> web.StreamResponse:
-        """Server-sent events. The status line waits for the first token, so an error
-        before it (a bad image, a prompt too long, a full queue's shutdown) is a plain
-        JSON error with its status; after it, an error is a last `data: {"error": ...}`."""
-        response, idle = None, self.cfg.idle_timeout
-        while True:
-            ev = await events.get()
-            if isinstance(ev, Progress):
-                continue
-            if response is None:
+    async def job_events(self, request: web.Request, method: str, params: dict):
+        """Validate and submit an RPC chat / generate request (the other APIs' routes,
+        native.py); yield its Token events, then its Done, or raise its error. A consumer
+        that stops early (its client went away) withdraws the job."""
+        methods = self.serving()
+        valid = methods.validate(method, params)
+        async with contextlib.aclosing(self._events(methods, valid, request.path)) as events:
+            async for ev in events:
                 if isinstance(ev, Failed):
                     raise ev.error
-                response = web.StreamResponse(headers={
-                    "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no"})
-                await response.prepare(request)
-                first = answer.first_chunk()
-                if first is not None:
-                    await _send(request, response, first, idle)
-            if isinstance(ev, Token):
-                chunk = answer.token_chunk(token_payload(ev.event))
-                if chunk is not None:
-                    await _send(request, response, chunk, idle)
-            elif isinstance(ev, Done):
-                result = completion_result(ev.completion, ev.queue_ms, ev.ttft_ms)
-                for chunk in answer.last_chunks(result):
-                    await _send(request, response, chunk, idle)
-                break
-            else:
-                await _send(request, response, error_body(ev.error), idle)
-                break
-        await _write(request, response, b"data: [DONE]\n\n", idle)
+                if not isinstance(ev, Progress):
+                    yield ev
+
+    async def _result(self, methods: Methods, params, endpoint: str) -> dict:
+        """The completion map of one job."""
+        async with contextlib.aclosing(self._events(methods, params, endpoint)) as events:
+            async for ev in events:
+                if isinstance(ev, Failed):
+                    raise ev.error
+        return completion_result(ev.completion, ev.queue_ms, ev.ttft_ms)   # the last: Done
+
+    async def _stream(self, request: web.Request, methods: Methods, params, answer,
+                      n: int) -> web.StreamResponse:
+        """Server-sent events. The status line waits for the first token, so an error
+        before it (a bad image, a prompt too long, a full queue's shutdown) is a plain
+        JSON error with its status; after it, an error is the answer's last event."""
+        response = None
+        results: list = []
+        try:
+            for index in range(n):
+                opened = False
+                async with contextlib.aclosing(self._events(
+                        methods, nth_choice(params, index), request.path)) as events:
+                    async for ev in events:
+                        if isinstance(ev, Progress):
+                            continue
+                        if response is None:
+                            if isinstance(ev, Failed):
+                                raise ev.error
+                            response = web.StreamResponse(headers={
+                                "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                "X-Accel-Buffering": "no"})
+                            await response.prepare(request)
+                        if not opened:
+                            opened = True
+                            await _send(response, answer, answer.opening(index))
+                        if isinstance(ev, Token):
+                            await _send(response, answer, answer.token(token_payload(ev.event)))
+                        elif isinstance(ev, Done):
+                            results.append(completion_result(ev.completion, ev.queue_ms,
+                                                             ev.ttft_ms))
+                            await _send(response, answer, answer.finish(results[-1]))
+                        else:
+                            raise ev.error
+            await _send(response, answer, answer.closing(results))
+        except KestrelError as e:
+            if response is None:
+                raise
+            await _send(response, answer, answer.failure(e))
+        if answer.DONE:
+            await response.write(answer.DONE)
         await response.write_eof()
         return response
 
 
-async def _send(request: web.Request, response: web.StreamResponse, obj: dict,
-                timeout: float) -> None:
-    data = b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-    await _write(request, response, data, timeout)
-
-
-async def _write(request: web.Request, response: web.StreamResponse, data: bytes,
-                 timeout: float) -> None:
-    """Write, cutting a client that reads nothing for `timeout` s (idle_timeout): its
-    stream would otherwise be generated in full into memory nobody reads. The connection
-    is aborted (its unsent bytes dropped); the handler's end withdraws the job."""
-    try:
-        async with asyncio.timeout(timeout):
-            await response.write(data)
-    except TimeoutError:
-        log.info("an HTTP stream's client read nothing for %d s: closing it", timeout)
-        if request.transport is not None:
-            request.transport.abort()
-        raise ConnectionResetError("the client stopped reading") from None
+async def _send(response: web.StreamResponse, answer, events: list) -> None:
+    """Write server-sent events: `data: JSON`, after an `event: TYPE` line when the answer's
+    shapes name their events (the Responses API)."""
+    for obj in events:
+        name = b"event: " + obj["type"].encode() + b"\n" if answer.EVENT_NAMES else b""
+        await response.write(name + b"data: " + json.dumps(obj, ensure_ascii=False).encode()
+                             + b"\n\n")
 
 
 class _BoundedSite(web.SockSite):
@@ -426,20 +474,10 @@ class _BoundedSite(web.SockSite):
         self._server = await asyncio.get_running_loop().create_server(factory, sock=self._sock)
 
 
-async def _json(request: web.Request):
-    """The request body as JSON (TooLarge past max_message_bytes, BadRequest if invalid)."""
-    body = await request.read()
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as e:    # UnicodeDecodeError is a ValueError
-        raise BadRequest(f"the body is not valid JSON: {str(e)[:200]}") from None
-
-
 def _from_http_exception(request: web.Request, e: web.HTTPException, limit: int) -> KestrelError:
     """aiohttp's own refusals (no route, wrong method, body too large) as Kestrel errors."""
     if e.status == 404:
-        return NotFound(f"no such path {request.path[:200]!r}; the API is under /v1 "
-                        f"(docs/openapi.yaml)")
+        return NotFound(f"no such path {request.path[:200]!r} (docs/openapi.yaml)")
     if e.status == 405:
         return MethodNotAllowed(f"{request.method} is not allowed on {request.path[:200]}")
     if e.status == 413:

@@ -20,6 +20,7 @@ see protocol types.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable, Union
 
@@ -27,8 +28,8 @@ from ..engine.generate import Completion, TokenEvent
 from ..engine.prompt import ChatInput, Request, TextInput
 from ..engine.sampler import ResponseFormat, SamplingOptions
 from ..errors import TooLarge
-from ..protocol import (ChatParams, DetokenizeParams, GenerateParams, Params, TokenizeParams,
-                        CancelParams, validate_params)
+from ..protocol import (SEED_LIMIT, ChatParams, DetokenizeParams, GenerateParams, Params,
+                        TokenizeParams, CancelParams, validate_params)
 from .scheduler import Event, Job, Scheduler
 from .status import StatusReporter
 
@@ -41,16 +42,30 @@ def engine_request(params: Union[GenerateParams, ChatParams]) -> Request:
     """The engine's request for generate / chat params."""
     if isinstance(params, ChatParams):
         return ChatInput(tuple(dict(m) for m in params.messages), params.enable_thinking,
-                         params.split_reasoning, params.tools, params.tool_choice)
+                         params.split_reasoning, params.tools, params.tool_choice,
+                         params.parallel_tool_calls)
     return TextInput(text=params.prompt, ids=params.ids)
 
 
 def sampling_options(params: Union[GenerateParams, ChatParams], default_max_tokens: int) -> SamplingOptions:
     """The request's sampling options; max_tokens defaults to the daemon's --max-tokens."""
     options = {"max_tokens": default_max_tokens, **params.options}
+    if options.get("logit_bias") is not None:
+        options["logit_bias"] = tuple(options["logit_bias"].items())
     if options.get("response_format") is not None:
         options["response_format"] = ResponseFormat(**options["response_format"])
     return SamplingOptions(**options)
+
+
+def nth_choice(params: Union[GenerateParams, ChatParams], index: int):
+    """The params of choice `index` of a request asking for several (OpenAI's `n`): the
+    same, but a given seed becomes seed + index, so that the choices differ and each is
+    reproducible (choice i is the single request with seed + i)."""
+    seed = params.options.get("seed")
+    if seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, options={**params.options,
+                                                "seed": (seed + index) % SEED_LIMIT})
 
 
 def wire_tool_calls(calls) -> list:
@@ -70,7 +85,8 @@ def completion_result(c: Completion, queue_ms: float, ttft_ms: float) -> dict:
     timings = {"queue_ms": round(queue_ms, 3), "prefill_ms": round(c.prefill_ms, 3),
                "decode_ms": round(c.decode_ms, 3), "ttft_ms": round(ttft_ms, 3),
                "prefill_tok_s": round(c.prefill_tokens / prefill_s, 2) if prefill_s > 0 else 0.0,
-               "decode_tok_s": round(c.completion_tokens / decode_s, 2) if decode_s > 0 else 0.0}
+               "decode_tok_s": round(c.completion_tokens / decode_s, 2) if decode_s > 0 else 0.0,
+               "drafted_tokens": c.drafted_tokens, "accepted_tokens": c.accepted_tokens}
     if c.images is not None:
         usage.update(images=c.images.images, visual_tokens=c.images.visual_tokens)
         timings["encode_ms"] = c.images.encode_ms
@@ -140,6 +156,11 @@ class Methods:
                            f"bytes, over the reply limit of {self.max_reply_bytes} bytes "
                            f"(max-outgoing-bytes); send fewer ids at a time")
         return {"text": self.engine.detokenize(list(params.ids))}
+
+    def chat_prompt(self, params: ChatParams) -> str:
+        """The prompt text a chat request renders to (the model's template; no KV touched,
+        safe off the engine thread): llama.cpp's /apply-template."""
+        return self.engine.prompts.chat_text(engine_request(params))[0]
 
     def now(self, conn_id: int, method: str, params: Params) -> dict:
         """status, ping, cancel (of a request of connection `conn_id`)."""

@@ -54,6 +54,12 @@ class _StatusCollector:
                                ("kestrel_prefix_tokens_reused", "tokens_reused",
                                 "prompt tokens whose KV was reused")):
             yield CounterMetricFamily(name, doc, value=prefix[key])
+        spec = s["speculation"]
+        for name, key, doc in (
+                ("kestrel_speculation_drafted_tokens", "drafted", "tokens drafted from the context"),
+                ("kestrel_speculation_accepted_tokens", "accepted",
+                 "drafted tokens that were chosen (each one saved a decode pass)")):
+            yield CounterMetricFamily(name, doc, value=spec[key])
         info = GaugeMetricFamily("kestrel_info", "what this daemon runs",
                                  labels=["version", "model", "arch"])
         info.add_metric([s["version"], s["model"]["name"], s["model"]["arch"]], 1)

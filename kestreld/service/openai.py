@@ -1,6 +1,7 @@
 """OpenAI's API shapes <-> Kestrel's wire params and results (the HTTP API's translator).
 
-A request body of `POST /v1/chat/completions` or `/v1/completions` becomes the params map
+A request body of `POST /v1/chat/completions` or `/v1/completions` (responses.py: the
+Responses API's `/v1/responses`) becomes the params map
 of the RPC `chat` or `generate` method (`chat_request`, `completion_request`), which the
 methods then validate exactly as they validate an RPC request: the same bounds, the same
 messages, the same engine path. A completion map (methods.completion_result) or a `token`
@@ -22,12 +23,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..errors import BadRequest, KestrelError
+from ..errors import BadRequest, KestrelError, ModelNotFound
 from ..protocol import MAX_LOGPROBS, MAX_MESSAGES
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
 OWNED_BY = "kestrel"
+MAX_CHOICES = 16              # `n`: choices of one request (each one a job after the first)
 
 TokenBytes = Callable[[int], bytes]
 
@@ -46,6 +46,9 @@ class Translated:
     stream: bool
     include_usage: bool         # stream_options.include_usage: a last chunk with usage
     top_logprobs: Optional[int]  # None: no logprobs; else how many alternatives to show
+    n: int = 1                  # choices: the same prompt decoded n times
+    prompt_param: str = "messages"  # the field a too-long prompt is blamed on
+    echo: Optional[dict] = None  # request fields the answer repeats (the Responses API)
 
 
 # ---------------------------------------------------------------- requests
@@ -56,15 +59,19 @@ def _check_object(body) -> dict:
     return body
 
 
-def _check_model(body: dict, model_id: str) -> None:
+def check_model(body: dict, model_id: str, strict: tuple) -> None:
+    """The `model` a request names: any name is answered by the loaded model (its name in
+    the answer's `model`), as llama.cpp's server does, since many clients hard-code one;
+    under --strict-model, `strict` holds the names served (the model's and its --alias
+    names) and another name is ModelNotFound."""
     model = body.get("model")
     if model is None:
         return
     if not isinstance(model, str):
         raise BadRequest(f"model must be a string, got {type(model).__name__}", param="model")
-    if model != model_id:
-        raise BadRequest(f"model {model[:100]!r} is not served here: this daemon serves "
-                         f"{model_id!r} (GET /v1/models)", param="model")
+    if strict and model not in strict:
+        raise ModelNotFound(f"The model {model[:100]!r} does not exist: this daemon serves "
+                            f"{model_id!r} (GET /v1/models)", param="model")
 
 
 def _unsupported(body: dict, name: str, default_ok) -> None:
@@ -74,15 +81,51 @@ def _unsupported(body: dict, name: str, default_ok) -> None:
         raise BadRequest(f"{name}={str(value)[:60]} is not supported", param=name)
 
 
-def _common(body: dict, model_id: str) -> tuple[dict, bool, bool]:
-    """The fields shared by both endpoints -> (RPC options, stream, include_usage)."""
-    _check_model(body, model_id)
-    _unsupported(body, "n", lambda v: v == 1 and not isinstance(v, bool))
-    _unsupported(body, "logit_bias", lambda v: v == {})
+def _choices(body: dict) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n must be an integer in 1..{MAX_CHOICES}, got {str(n)[:60]}",
+                         param="n")
+    return n
+
+
+def _logit_bias(value) -> dict:
+    """OpenAI's logit_bias (JSON keys are strings: token ids in decimal) -> {id: bias};
+    the RPC validation checks the ids against the vocabulary and the biases' range."""
+    if not isinstance(value, dict):
+        raise BadRequest("logit_bias must be an object of token ids to biases",
+                         param="logit_bias")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10):
+            raise BadRequest(f"logit_bias: a key is a token id in decimal, got {key[:40]!r}",
+                             param="logit_bias")
+        out[int(key)] = bias
+    return out
+
+
+def sampling(body: dict) -> tuple[dict, bool]:
+    """The sampling fields every generating endpoint shares -> (RPC options, stream)."""
     options = {k: body[k] for k in _SAME_NAME + _PASSED_THROUGH if body.get(k) is not None}
     for name in _PASSED_THROUGH:
         if options.get(name) == 0:
             del options[name]          # OpenAI's neutral value: nothing to ask of the engine
+    if body.get("logit_bias"):
+        options["logit_bias"] = _logit_bias(body["logit_bias"])
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, got {str(stream)[:60]}", param="stream")
+    return options, stream
+
+
+def _common(body: dict, model_id: str, strict: tuple) -> tuple[dict, bool, bool]:
+    """The fields shared by chat and completions -> (RPC options, stream, include_usage)."""
+    check_model(body, model_id, strict)
+    options, stream = sampling(body)
     limit = body.get("max_completion_tokens")
     if limit is None:
         limit = body.get("max_tokens")
@@ -91,11 +134,6 @@ def _common(body: dict, model_id: str) -> tuple[dict, bool, bool]:
     stop = body.get("stop")
     if stop is not None:
         options["stop"] = [stop] if isinstance(stop, str) else stop
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise BadRequest(f"stream must be true or false, got {str(stream)[:60]}", param="stream")
     include_usage = False
     stream_options = body.get("stream_options")
     if stream_options is not None:
@@ -152,7 +190,7 @@ def _content(content, where: str):
     return out
 
 
-def _messages(messages) -> list:
+def messages_of(messages) -> list:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty array of {role, content} objects",
                          param="messages")
@@ -173,11 +211,11 @@ def _messages(messages) -> list:
     return out
 
 
-def chat_request(body, model_id: str) -> Translated:
+def chat_request(body, model_id: str, strict: tuple = ()) -> Translated:
     """A chat completions request -> the RPC `chat` params (BadRequest naming the field)."""
     body = _check_object(body)
-    options, stream, include_usage = _common(body, model_id)
-    params = {"messages": _messages(body.get("messages")), "split_reasoning": True,
+    options, stream, include_usage = _common(body, model_id, strict)
+    params = {"messages": messages_of(body.get("messages")), "split_reasoning": True,
               "stream": stream, **options}
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
@@ -193,6 +231,8 @@ def chat_request(body, model_id: str) -> Translated:
         params["tools"] = body["tools"]
         if body.get("tool_choice") is not None:
             params["tool_choice"] = body["tool_choice"]
+        if body.get("parallel_tool_calls") is not None:
+            params["parallel_tool_calls"] = body["parallel_tool_calls"]
     top = None
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -202,13 +242,13 @@ def chat_request(body, model_id: str) -> Translated:
         params["logprobs"] = max(top, 1)
     elif body.get("top_logprobs"):
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    return Translated("chat", params, stream, include_usage, top)
+    return Translated("chat", params, stream, include_usage, top, _choices(body))
 
 
-def completion_request(body, model_id: str) -> Translated:
+def completion_request(body, model_id: str, strict: tuple = ()) -> Translated:
     """A (legacy) completions request -> the RPC `generate` params."""
     body = _check_object(body)
-    options, stream, include_usage = _common(body, model_id)
+    options, stream, include_usage = _common(body, model_id, strict)
     _unsupported(body, "echo", lambda v: v is False)
     _unsupported(body, "suffix", lambda v: v == "")
     _unsupported(body, "best_of", lambda v: v == 1 and not isinstance(v, bool))
@@ -231,7 +271,7 @@ def completion_request(body, model_id: str) -> Translated:
             params["logprobs"] = top
         else:
             top = None
-    return Translated("generate", params, stream, include_usage, top)
+    return Translated("generate", params, stream, include_usage, top, _choices(body), "prompt")
 
 
 # ---------------------------------------------------------------- responses
@@ -240,11 +280,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(result: dict) -> dict:
-    """OpenAI's usage of a completion map; cached_tokens is the KV reused (prefix rule)."""
-    u = result["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+def choices_usage(results: list) -> dict:
+    """OpenAI's usage of the choices' completion maps: the prompt counted once (it is the
+    same prompt), the completion tokens of every choice; cached_tokens is the KV the first
+    choice reused (prefix rule)."""
+    u = results[0]["usage"]
+    completion = sum(r["usage"]["completion_tokens"] for r in results)
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": completion,
+            "total_tokens": u["prompt_tokens"] + completion,
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
 
@@ -291,7 +334,13 @@ def _tool_calls(calls: list, streamed: bool = False, first: int = 0) -> list:
 
 
 class Answer:
-    """One HTTP answer's shapes: its id, creation time and model, and how it shows logprobs."""
+    """One chat or completions answer's shapes: its id, creation time and model, how it
+    shows logprobs, its `n` choices. The HTTP transport drives it: `response` for a whole
+    answer; streamed, `opening` as each choice starts, `token` per piece, `finish` as each
+    choice ends, `closing` after the last (and `failure` if a job fails mid-stream), each
+    returning the server-sent events to write, then `DONE`."""
+    EVENT_NAMES = False               # SSE lines carry `data:` only
+    DONE = b"data: [DONE]\n\n"
 
     def __init__(self, req: Translated, model_id: str, token_bytes: TokenBytes, created: int):
         self.req = req
@@ -300,6 +349,7 @@ class Answer:
         self.created = created
         self.model = model_id
         self.token_bytes = token_bytes
+        self.index = 0                   # the choice being streamed
         self.text_chars = 0              # completions' text_offset across chunks
         self.calls_sent = 0              # streamed tool calls so far (their index)
 
@@ -307,8 +357,7 @@ class Answer:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def response(self, result: dict) -> dict:
-        """The whole response of a completion map."""
+    def _choice(self, index: int, result: dict) -> dict:
         top, lps = self.req.top_logprobs, result.get("logprobs")
         if self.chat:
             message = {"role": "assistant", "content": result["text"]}
@@ -316,38 +365,42 @@ class Answer:
                 message["reasoning_content"] = result["reasoning"]
             if result.get("tool_calls"):
                 message["tool_calls"] = _tool_calls(result["tool_calls"])
-            choice = {"index": 0, "message": message,
+            choice = {"index": index, "message": message,
                       "logprobs": chat_logprobs(lps, top, self.token_bytes)}
-            obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": result["text"],
+            choice = {"index": index, "text": result["text"],
                       "logprobs": completion_logprobs(lps, top, self.token_bytes)}
-            obj = "text_completion"
         choice["finish_reason"] = result["finish_reason"]
-        out = self._envelope(obj, [choice])
-        out["usage"] = usage(result)
-        out["timings"] = result["timings"]     # Kestrel's own figures, as llama.cpp adds its
+        return choice
+
+    def response(self, results: list) -> dict:
+        """The whole response of the choices' completion maps."""
+        out = self._envelope("chat.completion" if self.chat else "text_completion",
+                             [self._choice(i, r) for i, r in enumerate(results)])
+        out["usage"] = choices_usage(results)
+        out["timings"] = results[0]["timings"]   # Kestrel's own figures, as llama.cpp adds its
         return out
 
     def _chunk(self, fields: dict, logprobs, finish_reason: Optional[str] = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": fields, "logprobs": logprobs,
+            choice = {"index": self.index, "delta": fields, "logprobs": logprobs,
                       "finish_reason": finish_reason}
             out = self._envelope("chat.completion.chunk", [choice])
         else:
-            choice = {"index": 0, "text": fields.get("content", ""), "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": fields.get("content", ""),
+                      "logprobs": logprobs, "finish_reason": finish_reason}
             out = self._envelope("text_completion", [choice])
         if self.req.include_usage:
             out["usage"] = None
         return out
 
-    def first_chunk(self) -> Optional[dict]:
-        """The chat stream's opening chunk (the role); None for completions."""
-        return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
+    def opening(self, index: int) -> list:
+        """Choice `index` starts: the chat stream's role chunk (nothing for completions)."""
+        self.index, self.text_chars, self.calls_sent = index, 0, 0
+        return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
 
-    def token_chunk(self, payload: dict) -> Optional[dict]:
-        """The chunk of a `token` payload, or None when it carries nothing to show."""
+    def token(self, payload: dict) -> list:
+        """The chunk of a `token` payload (none when it carries nothing to show)."""
         fields = {}
         if payload["text"]:
             fields["content"] = payload["text"]
@@ -363,17 +416,24 @@ class Answer:
             logprobs = completion_logprobs(lps, top, self.token_bytes, self.text_chars)
             self.text_chars += len(payload["text"])
         if not fields and logprobs is None:
-            return None
-        return self._chunk(fields, logprobs)
+            return []
+        return [self._chunk(fields, logprobs)]
 
-    def last_chunks(self, result: dict) -> list:
-        """The finish_reason chunk, and the usage chunk when stream_options asked for it."""
-        out = [self._chunk({}, None, result["finish_reason"])]
-        if self.req.include_usage:
-            final = self._envelope(out[0]["object"], [])
-            final["usage"] = usage(result)
-            out.append(final)
-        return out
+    def finish(self, result: dict) -> list:
+        """The choice's finish_reason chunk."""
+        return [self._chunk({}, None, result["finish_reason"])]
+
+    def closing(self, results: list) -> list:
+        """After the last choice: the usage chunk, when stream_options asked for it."""
+        if not self.req.include_usage:
+            return []
+        final = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        final["usage"] = choices_usage(results)
+        return [final]
+
+    def failure(self, error: KestrelError) -> list:
+        """A job failed after the stream began: a last `data: {"error": ...}`."""
+        return [error_body(error)]
 
 
 def models(model_id: str, created: int) -> dict:
@@ -388,12 +448,13 @@ def model(model_id: str, created: int) -> dict:
 # OpenAI's error types by HTTP status
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
-                499: "invalid_request_error", 503: "unavailable_error"}
+                413: "invalid_request_error", 415: "invalid_request_error",
+                429: "rate_limit_error", 499: "invalid_request_error", 503: "unavailable_error"}
 
 
 def error_body(error: KestrelError) -> dict:
-    """`{"error": {message, type, param, code}}` (OpenAI's shape); code is Kestrel's."""
+    """`{"error": {message, type, param, code}}` (OpenAI's shape); code is the error's
+    `http_code` (Kestrel's, or OpenAI's where it has one: errors.py)."""
     return {"error": {"message": str(error),
                       "type": _ERROR_TYPES.get(error.http_status, "server_error"),
-                      "param": error.param, "code": error.code}}
+                      "param": error.param, "code": error.http_code}}

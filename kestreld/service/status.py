@@ -84,6 +84,7 @@ class StatusReporter:
             "kv_arena_bytes": kv.nbytes,
             "cache_len": engine_stats["cache_len"],
             "prefix": dict(engine_stats["prefix"]),
+            "speculation": dict(engine_stats["speculation"]),
             "disk_kv": self._disk_kv(),
             "experts_copied_bytes": eng.model.weights.expert_copies_bytes(),
             "rss_mb": round(self.rss_bytes() / 2**20, 1),

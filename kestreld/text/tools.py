@@ -41,10 +41,17 @@ class ToolUse:
     """The tools a chat answer may call and how: `tools` are OpenAI function specs
     ({"type": "function", "function": {"name", "description", "parameters"}}); `required`:
     the answer must be calls (tool_choice "required", or a named function); `only`: the
-    named function it must call (exactly once)."""
+    named function it must call (exactly once); `parallel` False: at most one call
+    (OpenAI's parallel_tool_calls)."""
     tools: tuple
     required: bool = False
     only: Optional[str] = None
+    parallel: bool = True
+
+    @property
+    def single(self) -> bool:
+        """The answer makes at most one call."""
+        return self.only is not None or not self.parallel
 
     def call_schemas(self) -> list:
         """The JSON schema of a call, for each function the answer may call."""
