@@ -270,6 +270,8 @@ class HttpApi:
         if request.method in ("GET", "HEAD", "OPTIONS") or not (
                 request.method == "POST" or request.body_exists):
             return
+        if request.match_info.http_exception is not None:    # no such route: 404 / 405
+            return
         if not _json_content_type(request.content_type):
             raise UnsupportedMediaType(
                 f"{request.method} {request.path[:100]}: the body must be sent as "
