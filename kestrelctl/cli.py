@@ -8,7 +8,7 @@
     kestrelctl show [--json]            the loaded model: architecture, size, weight types,
                                         context, chat template, file, KV arena
     kestrelctl status [--json] | tokenize [TEXT] | ping
-    kestrelctl completion bash|zsh      a shell completion script (README: how to install)
+    kestrelctl completion bash|zsh      a shell completion script (docs/client.md: how to install)
     kestrelctl --version
 
 The socket is --socket, else $KESTREL_SOCKET, else the default path. stdout carries the

@@ -74,10 +74,17 @@ def format_status(s: dict) -> str:
                    + _experts_copied(s.get("experts_copied_bytes"))),
         ("threads", str(s["threads"])),
     ]
+    tiers = []
+    m = s.get("kv_memory") or {}
+    if m.get("enabled"):
+        tiers.append(("kv store", f"memory: {m['entries']} entries, {m['bytes'] / 1e6:.1f} of "
+                                  f"{m['max_bytes'] / 1e6:.1f} MB, hits {m['hits']}, "
+                                  f"misses {m['misses']}, evictions {m['evictions']}"))
     d = s.get("disk_kv") or {}
     if d.get("enabled"):
-        rows.insert(6, ("disk kv", f"{d['files']} files, {d['bytes'] / 1e6:.1f} MB, hits {d['hits']}, "
-                                   f"misses {d['misses']}"))
+        tiers.append(("disk kv", f"{d['files']} files, {d['bytes'] / 1e6:.1f} MB, "
+                                 f"hits {d['hits']}, misses {d['misses']}"))
+    rows[6:6] = tiers
     return _table(rows)
 
 

@@ -72,6 +72,20 @@ def test_cli_flags_for_daemon_options(tmp_path):
             cfg.socket_group, cfg.prefix_kv) == ("/tmp/x.sock", 1000, 2000, 0, "kestrel", False)
 
 
+def test_kv_memory_from_argv_and_file(tmp_path):
+    conf = tmp_path / "k.conf"
+    conf.write_text("kv-memory = 268435456\n")
+    assert load_config(["--config", str(conf)], environ={}).kv_memory == 256 << 20
+    assert load_config(["--config", str(conf), "--kv-memory", "0"], environ={}).kv_memory == 0
+    conf.write_text("")
+    assert load_config(["--config", str(conf)], environ={}).kv_memory is None   # by RAM
+    with pytest.raises(ValueError, match="kv-memory must be >= 0"):
+        Config(kv_memory=-1)
+    with pytest.raises(ValueError, match="cannot be used with no-prefix-kv"):
+        Config(kv_memory=1 << 20, prefix_kv=False)
+    assert Config(kv_memory=0, prefix_kv=False).kv_memory == 0
+
+
 def test_mmproj_from_argv_env_and_file(tmp_path):
     conf = tmp_path / "k.conf"
     conf.write_text("model = /m/text.gguf\nmmproj = /m/mmproj-file.gguf\n")

@@ -18,6 +18,7 @@ import pytest
 from kestreld.engine.diskkv import HEADER_SIZE, DiskKV, Header, file_size, model_identity
 from kestreld.engine.generate import Engine
 from kestreld.engine.kvcache import KVCache, KVLayout
+from kestreld.engine.kvstore import KVStore
 from kestreld.engine.sampler import SamplingOptions
 from kestreld.model.load import load_model
 from kestreld.errors import StartupError
@@ -92,17 +93,26 @@ def model(zoo):
 
 
 def engine(model, disk_dir=None, max_seq=512, **kw):
+    """An engine whose KV store has the disk tier only (in DIR), or no tier."""
     disk = DiskKV.for_model(str(disk_dir), 1 << 30, model, max_seq) if disk_dir else None
-    return Engine(model, max_seq=max_seq, threads=1, prefill_chunk=64, disk_kv=disk, **kw)
+    return Engine(model, max_seq=max_seq, threads=1, prefill_chunk=64, store=KVStore(None, disk),
+                  **kw)
+
+
+def turn(e: Engine, ids):
+    """A request as the scheduler runs it: generate, then (the answer sent) store the KV."""
+    c = e.generate(ids, GREEDY)
+    e.store_kv()
+    return c
 
 
 def test_restore_after_restart_equals_recompute(model, tmp_path):
     first = prompt_ids(NAME, 90, seed=1)
     e1 = engine(model, tmp_path)
-    c1 = e1.generate(first, GREEDY)
+    c1 = turn(e1, first)
     assert c1.cached_source is None
     turn2 = first + c1.ids + prompt_ids(NAME, 30, seed=2)
-    c2 = e1.generate(turn2, GREEDY)                    # a memory hit: only a delta is saved
+    c2 = turn(e1, turn2)                               # a memory hit: only a delta is saved
     assert c2.cached_source == "memory"
     e1.close()
     full, delta = sorted(snapshot_files(tmp_path), key=lambda p: -p.stat().st_size)
@@ -111,7 +121,7 @@ def test_restore_after_restart_equals_recompute(model, tmp_path):
 
     e2 = engine(model, tmp_path)                       # "after a restart": a fresh arena
     turn3 = turn2 + c2.ids + prompt_ids(NAME, 20, seed=3)
-    c3 = e2.generate(turn3, GREEDY)
+    c3 = turn(e2, turn3)
     assert c3.cached_source == "disk"
     assert c3.cached_tokens == len(valid) and c3.prefill_tokens == len(turn3) - len(valid)
     for a, b in zip((e1.kv.k_q, e1.kv.v_q, e1.kv.k_s, e1.kv.v_s),
@@ -119,8 +129,8 @@ def test_restore_after_restart_equals_recompute(model, tmp_path):
         np.testing.assert_array_equal(a[:, :, :len(valid)], b[:, :, :len(valid)])
     fresh = engine(model, prefix_kv=False).generate(turn3, GREEDY)
     assert fresh.cached_tokens == 0 and c3.ids == fresh.ids
-    settle(e2.disk_kv)                                 # turn 3's delta is written in the background
-    s = e2.disk_kv.stats()
+    settle(e2.store.disk)                              # turn 3's delta is written in the background
+    s = e2.store.disk.stats()
     assert (s["hits"], s["misses"], s["files"]) == (1, 0, 3)
     assert s["bytes_read"] == full.stat().st_size + delta.stat().st_size
     e2.close()
@@ -130,12 +140,12 @@ def test_disk_serves_a_conversation_the_arena_lost(model, tmp_path):
     a = prompt_ids(NAME, 60, seed=4)
     b = prompt_ids(NAME, 70, seed=5)
     e = engine(model, tmp_path)
-    ca = e.generate(a, GREEDY)
-    settle(e.disk_kv)
-    e.generate(b, GREEDY)                              # overwrites the arena: a is a miss in memory
+    ca = turn(e, a)
+    settle(e.store.disk)
+    turn(e, b)                                         # overwrites the arena: a is a miss in memory
     again = a + ca.ids + prompt_ids(NAME, 10, seed=6)
-    c = e.generate(again, GREEDY)
-    assert c.prefix_event.startswith("[KV-PREFIX] miss")
+    c = turn(e, again)
+    assert c.prefix_event.startswith("[KV-PREFIX] hit") and c.prefix_event.endswith("source=disk")
     assert c.cached_source == "disk" and c.cached_tokens == len(a) + len(ca.ids) - 1
     assert c.ids == engine(model, prefix_kv=False).generate(again, GREEDY).ids
     e.close()
@@ -246,15 +256,15 @@ def test_killed_mid_write_leaves_no_torn_snapshot(tmp_path):
 def test_other_model_or_layout_is_ignored(model, zoo, tmp_path):
     ids = prompt_ids(NAME, 50, seed=7)
     e = engine(model, tmp_path)
-    e.generate(ids, GREEDY)
+    turn(e, ids)
     e.close()
     llama = load_model(str(zoo.get("llama").gguf["q8_0"]))
     for n_before, make in ((1, lambda: engine(model, tmp_path, max_seq=256)),   # another layout
                            (2, lambda: engine(llama, tmp_path))):                # another model
         other = make()
-        s = other.disk_kv.stats()
+        s = other.store.disk.stats()
         assert (s["files"], s["foreign_files"]) == (0, n_before)
-        c = other.generate(ids[:40] + [1, 2, 3], GREEDY)
+        c = turn(other, ids[:40] + [1, 2, 3])
         assert c.cached_source is None and c.cached_tokens == 0
         other.close()
     assert len(snapshot_files(tmp_path)) == 3              # ignored, not deleted

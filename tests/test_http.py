@@ -462,6 +462,10 @@ def test_metrics_count_what_was_sent(daemon, http, sdk):
     assert value(after, "kestrel_max_seq_tokens") == status["max_seq"] == 512
     assert value(after, "kestrel_prefix_hits_total") == status["prefix"]["hits"]
     assert value(after, "kestrel_prefix_misses_total") == status["prefix"]["misses"]
+    mem = status["kv_memory"]                     # the KV store's memory tier, on by default
+    assert value(after, "kestrel_kv_store_max_bytes", tier="memory") == mem["max_bytes"] > 0
+    assert value(after, "kestrel_kv_store_hits_total", tier="memory") >= mem["hits"]
+    assert ("kestrel_kv_store_bytes", frozenset({("tier", "disk")})) not in after   # no --disk-kv
     assert value(after, "kestrel_busy") == 0 and value(after, "kestrel_queue_depth") == 0
     assert value(after, "kestrel_rss_bytes") > 50e6
     copied = ("kestrel_experts_copied_bytes", frozenset())

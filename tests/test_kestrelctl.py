@@ -81,13 +81,14 @@ def test_status_json_and_table(daemon):
     assert s["pid"] == daemon.pid and s["max_seq"] == 512
     table = ctl("status", socket=daemon.socket).stdout
     labels = [line.split()[0] for line in table.splitlines()]
-    assert labels == ["daemon", "model", "path", "kv", "cache", "prefix", "speculation",
+    assert labels == ["daemon", "model", "path", "kv", "cache", "prefix", "kv", "speculation",
                       "requests", "memory", "threads"]
+    assert table.splitlines()[6].startswith("kv store  memory: ") and " MB, hits " in table
     assert f"pid {daemon.pid}" in table and "max_seq 512, kv_bs 32, q8, 408 B/token/layer" in table
     assert format_status(s).splitlines()[1:3] == table.splitlines()[1:3]
     assert s["experts_copied_bytes"] == {} and "experts" not in table      # a dense model
     s["experts_copied_bytes"] = {"q4_k": 1_000_000_000, "q8_0": 234_000_000}
-    assert format_status(s).splitlines()[8].endswith(", MoE experts copied 1.2 GB")
+    assert format_status(s).splitlines()[9].endswith(", MoE experts copied 1.2 GB")
     assert s["speculation"]["enabled"] and "speculation  on, " in table
 
 
@@ -130,7 +131,7 @@ def test_version_and_completion_need_no_daemon(tmp_path):
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_completion_in_a_real_shell(shell, tmp_path):
-    """The generated script, installed as the README says, completes at Tab in the shell."""
+    """The generated script, installed as docs/client.md says, completes at Tab in the shell."""
     if shutil.which(shell) is None:
         pytest.skip(f"{shell} is not installed")
     script = ctl("completion", shell).stdout

@@ -21,8 +21,7 @@ def test_size_and_views():
     assert total == kv.nbytes
     # the four views tile one buffer without overlap
     assert not np.shares_memory(kv.k_q, kv.v_q) and not np.shares_memory(kv.k_s, kv.v_s)
-    kq, ks, vq, vs = kv.layer(1)
-    kq[0, 5, :] = 7
+    kv.k_q[1][0, 5, :] = 7
     assert kv.k_q[1, 0, 5, 0] == 7 and kv.k_q[0, 0, 5, 0] == 0
 
 

@@ -8,7 +8,7 @@ import pytest
 from daemon import daemon_env, model_path
 from kestreld.errors import InsufficientMemory
 from kestreld.service.config import Config
-from kestreld.service.main import memory_check, placement_line
+from kestreld.service.main import MemoryCheck, placement_line
 from kestreld.model.config import ModelConfig
 
 
@@ -32,13 +32,40 @@ def test_the_check_counts_weights_and_arena():
                     head_dim=128, ffn=6144, vocab=151936, rope_theta=1e6, norm_eps=1e-6,
                     tied_embeddings=True, qk_norm=True, rope_neox=True, context_length=0)
     arena = 2112 * 28 * 8192                              # the design source's 484 MB
-    fits = memory_check(Config(max_seq=8192), "m.gguf", available=arena + 1000)
+    fits = MemoryCheck(Config(max_seq=8192, kv_memory=0), "m.gguf", available=arena + 1000,
+                       total=8 << 30)
     assert fits(c, 1000) is True                          # exactly fits
     with pytest.raises(InsufficientMemory, match="weights 0 MiB \\+ KV arena 462 MiB"):
         fits(c, 1001)
     # --no-memory-check goes on, and says it does not fit (MoE experts then stay in the map)
-    unchecked = memory_check(Config(max_seq=8192, memory_check=False), "m.gguf", available=0)
+    unchecked = MemoryCheck(Config(max_seq=8192, memory_check=False, kv_memory=0), "m.gguf",
+                            available=0, total=8 << 30)
     assert unchecked(c, 10**12) is False
+
+
+def test_the_check_counts_the_kv_store_budget():
+    c = ModelConfig(arch="qwen3", name="x", n_layers=28, hidden=2048, n_heads=16, n_kv_heads=8,
+                    head_dim=128, ffn=6144, vocab=151936, rope_theta=1e6, norm_eps=1e-6,
+                    tied_embeddings=True, qk_norm=True, rope_neox=True, context_length=0)
+    arena, weights, gib = 2112 * 28 * 8192, 1500 << 20, 1 << 30
+    # an explicit budget counts in full: one byte short is refused, and the message says so
+    exact = MemoryCheck(Config(kv_memory=gib), "m.gguf", available=weights + arena + gib,
+                        total=8 << 30)
+    assert exact(c, weights) is True and exact.kv_memory == gib
+    with pytest.raises(InsufficientMemory, match="KV store 1,024 MiB"):
+        exact(c, weights + 1)
+    # by default: 1/8 of an 8 GB board's RAM, capped at 1 GiB ...
+    board = MemoryCheck(Config(), "m.gguf", available=6 << 30, total=8 << 30)
+    assert board(c, weights) is True and board.kv_memory == gib
+    small = MemoryCheck(Config(), "m.gguf", available=6 << 30, total=4 << 30)
+    assert small(c, weights) is True and small.kv_memory == 512 << 20
+    # ... at most half of what weights and arena leave, so the default never fails a start
+    tight = MemoryCheck(Config(), "m.gguf", available=weights + arena + (200 << 20),
+                        total=8 << 30)
+    assert tight(c, weights) is True and tight.kv_memory == 100 << 20
+    # no prefix reuse: no store
+    off = MemoryCheck(Config(prefix_kv=False), "m.gguf", available=6 << 30, total=8 << 30)
+    assert off(c, weights) is True and off.kv_memory == 0
 
 
 def test_the_start_up_line_says_where_the_weights_are():

@@ -17,7 +17,7 @@ def test_hit_keeps_lcp():
     p = PrefixCache(True, 16)
     plan = p.plan(list(range(60)) + [999] * 10, cached_keys=list(range(99)))
     assert plan.hit and plan.keep == 60 and plan.lcp == 60
-    assert plan.log_line == "[KV-PREFIX] hit keep=60 prompt=70 prefill=10"
+    assert plan.log_line == "[KV-PREFIX] hit keep=60 prompt=70 prefill=10 source=memory"
     assert p.stats()["hits"] == 1 and p.stats()["tokens_reused"] == 60
 
 

@@ -24,6 +24,14 @@ class ScriptedEngine:
         self.loop_thread = None
         self.worker_threads = set()
         self.fail_with = None
+        self.store_gate = threading.Event()   # store_kv waits on it (opened by default)
+        self.store_gate.set()
+        self.stored = []                      # the engine's run count at each store_kv
+
+    def store_kv(self):
+        self.worker_threads.add(threading.get_ident())
+        self.store_gate.wait(10)
+        self.stored.append(len(self.started))
 
     def run(self, request, opts, on_token=None, on_progress=None, should_stop=None):
         self.worker_threads.add(threading.get_ident())
@@ -104,6 +112,27 @@ def test_fifo_events_on_loop_thread_and_stream_flag():
         assert done.queue_ms > 0 and done.ttft_ms >= done.queue_ms
         await until(lambda: not sched.stats()["busy"])
     run(scenario, max_queue=2)
+
+
+def test_the_kv_store_copies_after_the_answer_is_out():
+    """store_kv runs on the worker after each job (failed ones too), once its answer is
+    posted: a client has its answer while the copy still runs; the next job waits for it."""
+    async def scenario(engine, sched):
+        events = []
+        engine.store_gate.clear()
+        sched.submit(make_job(1, 1, events))
+        await until(lambda: 1 in finals(events))              # answered; the copy is blocked
+        assert engine.stored == [] and not sched.stats()["busy"]
+        sched.submit(make_job(1, 2, events))
+        await asyncio.sleep(0.05)
+        assert engine.started == ["abc"]                      # job 2 waits for the copy
+        engine.store_gate.set()
+        await until(lambda: 2 in finals(events))
+        engine.fail_with = ValueError("a bug")
+        sched.submit(make_job(1, 3, events))
+        await until(lambda: engine.stored == [1, 2, 3])
+        assert finals(events)[3].error.code == "internal"
+    run(scenario)
 
 
 def test_queue_full_cancel_queued_and_running():

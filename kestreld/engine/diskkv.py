@@ -45,8 +45,10 @@ import numpy as np
 
 from .. import __version__
 from ..errors import StartupError
-from .kvcache import KVCache, KVLayout
+from .kvcache import KVCache, KVLayout, RowBlock
 from .prefix import common_prefix_len
+from .snapshots import (MAX_CHAIN, Snapshot, SnapshotIndex, check_layout, restore_keep,
+                        segments)
 
 log = logging.getLogger("kestreld.diskkv")
 
@@ -61,7 +63,6 @@ _FIELDS = struct.Struct("<8sII32sII16sIIIQII")
 _CRC = struct.Struct("<I")
 NAME = re.compile(r"kv-[0-9a-f]{32}\.kv")
 TEMP = re.compile(r"kv-[0-9a-f]{32}\.tmp")
-MAX_CHAIN = 8                    # deltas on a full snapshot before the next one is written whole
 WRITE_QUEUE = 4                  # snapshots waiting for the writer; beyond, new ones are dropped
 MODEL_HEAD_BYTES = 4 << 20       # hashed from the model file: the GGUF header and metadata
 MODEL_TAIL_BYTES = 64 << 10
@@ -160,19 +161,6 @@ class Header:
                    payload_bytes, ids_crc, payload_crc)
 
 
-@dataclass
-class Snapshot:
-    """One snapshot file as the index knows it."""
-    name: str
-    ids: np.ndarray              # int64 (n,): the prefix keys of rows [0, n) (this file + parents)
-    base: int                    # rows [0, base) come from the parent, [base, n) from this file
-    parent: Optional[str]
-    nbytes: int                  # the file's size
-    last_used: int               # ns; kept on disk as the file's mtime
-    ours: bool                   # made for this model and layout (else only counted and evicted)
-    written: bool = True         # False while it waits for the writer
-
-
 # ---------------------------------------------------------------- the store
 
 class DiskKV:
@@ -186,7 +174,7 @@ class DiskKV:
         self.layout = layout
         self.prefix_min = prefix_min
         self._lock = threading.Lock()
-        self._index: dict[str, Snapshot] = {}
+        self._index = SnapshotIndex()
         self._counts = dict(hits=0, misses=0, bytes_read=0, bytes_written=0, writes=0,
                             evictions=0, rejected=0, dropped=0)
         self._dir_fd = self._open_dir()
@@ -217,14 +205,14 @@ class DiskKV:
         """Copy into the KV cache, after its valid rows, the rows of the snapshot with the
         longest common prefix with the prompt's `keys`; True if it did, False if the disk
         holds nothing better than the memory (kv.cache_len) or nothing verified."""
-        self._check_layout(kv)
+        check_layout(self.layout, kv)
         have = kv.cache_len
         prompt = np.asarray(keys, dtype=np.int64)
         with self._lock:
-            best, lcp = self._best(prompt, written_only=True)
-            chain = self._chain(best) if best is not None else []
-        keep = min(lcp, len(prompt) - 1)
-        if keep < self.prefix_min or keep <= have:
+            best, lcp = self._index.best(prompt, lambda s: s.ours and s.written)
+            chain = self._index.chain(best) if best is not None else []
+        keep = restore_keep(lcp, len(prompt), have, self.prefix_min)
+        if keep is None:
             if have == 0:
                 self._count(misses=1)
                 log.info("[KV-DISK] miss lcp=%d", lcp)
@@ -247,32 +235,27 @@ class DiskKV:
         """After a request: hand the writer the rows of the KV cache that no snapshot holds
         yet. They are copied out of the arena here, so the next request may overwrite it at
         once; this never waits for the disk."""
-        self._check_layout(kv)
+        check_layout(self.layout, kv)
         new = np.asarray(kv.keys, dtype=np.int64)
         n = len(new)
         if n < self.prefix_min:
             return
         with self._lock:
-            parent, lcp = self._best(new, written_only=False)
-            if parent is not None and lcp == n:      # all on disk already: just keep it fresh
-                chain = self._chain(parent)
+            parent, base = self._index.place(new, self.prefix_min, lambda s: s.ours)
+            chain = self._index.chain(parent) if parent is not None else []
+            if base == n:                            # all on disk already: just keep it fresh
                 entry = None
             else:
-                if parent is not None and (lcp < self.prefix_min or
-                                           len(self._chain(parent)) > MAX_CHAIN):
-                    parent = None
-                base = lcp if parent is not None else 0
                 entry = Snapshot(f"kv-{secrets.token_hex(16)}.kv", new, base,
                                  parent.name if parent else None, file_size(self.layout, n, base),
                                  time.time_ns(), ours=True, written=False)
-                chain = self._chain(parent) if parent is not None else []
                 if entry.nbytes > self.max_bytes:
                     log.info("[KV-DISK] %d tokens not saved: %d bytes exceed the cap of %d",
                              n, entry.nbytes, self.max_bytes)
                     self._counts["dropped"] += 1
                     entry = None
-                else:
-                    self._index[entry.name] = entry   # from now on its parents are not evicted
+                else:   # from now on its parents are not evicted
+                    self._index.entries[entry.name] = entry
         self._touch(chain)
         if entry is None:
             return
@@ -283,7 +266,7 @@ class DiskKV:
             log.warning("[KV-DISK] writer behind (%d snapshots queued): %d tokens not saved",
                         WRITE_QUEUE, n)
             with self._lock:
-                self._index.pop(entry.name, None)
+                self._index.entries.pop(entry.name, None)
                 self._counts["dropped"] += 1
 
     def close(self, timeout: float = CLOSE_WAIT_S) -> None:
@@ -304,65 +287,13 @@ class DiskKV:
     def stats(self) -> dict:
         """Files and bytes in DIR, hits, misses, bytes read and written, and the rest."""
         with self._lock:
-            written = [s for s in self._index.values() if s.written]
+            entries = self._index.entries
+            written = [s for s in entries.values() if s.written]
             return {"enabled": True, "dir": self.directory,
                     "files": sum(s.ours for s in written),
                     "foreign_files": sum(not s.ours for s in written),
                     "bytes": sum(s.nbytes for s in written), "max_bytes": self.max_bytes,
-                    "queued": len(self._index) - len(written), **self._counts}
-
-    # ------------------------------------------------------------ index (under _lock)
-
-    def _best(self, ids: np.ndarray, written_only: bool) -> tuple[Optional[Snapshot], int]:
-        """The snapshot of ours sharing the longest prefix with ids (fewest files on a tie)."""
-        best, best_key = None, (0, 0)
-        for s in self._index.values():
-            if s.ours and (s.written or not written_only):
-                key = (common_prefix_len(ids, s.ids), -len(self._chain(s)))
-                if key > best_key:
-                    best, best_key = s, key
-        return best, best_key[0]
-
-    def _chain(self, s: Snapshot) -> list:
-        """s, its parent, its parent's parent, ... (all present: see _drop)."""
-        out = [s]
-        while out[-1].parent is not None:
-            out.append(self._index[out[-1].parent])
-        return out
-
-    def _with_children(self, names) -> set:
-        """names and every snapshot built on them, directly or not."""
-        out = {n for n in names if n in self._index}
-        while True:
-            more = {s.name for s in self._index.values() if s.parent in out} - out
-            if not more:
-                return out
-            out |= more
-
-    def _drop(self, names) -> list:
-        """Remove snapshots and everything built on them from the index; their names."""
-        gone = self._with_children(names)
-        for n in gone:
-            del self._index[n]
-        return sorted(gone)
-
-    def _victims(self, entry: Snapshot) -> Optional[list]:
-        """Remove from the index the least recently used files to delete so that `entry`
-        fits under max_bytes, and return their names (None: it cannot fit; nothing removed).
-        Snapshots waiting for the writer and their parents are never chosen."""
-        total = sum(s.nbytes for s in self._index.values() if s.written) + entry.nbytes
-        keep = {p.name for s in self._index.values() if not s.written for p in self._chain(s)}
-        candidates = sorted((s for s in self._index.values() if s.written and s.name not in keep),
-                            key=lambda s: (s.last_used, -(len(self._chain(s)) if s.ours else 0)))
-        chosen: set = set()
-        for s in candidates:
-            if total <= self.max_bytes:
-                break
-            if s.name not in chosen:
-                more = self._with_children([s.name]) - chosen
-                chosen |= more
-                total -= sum(self._index[n].nbytes for n in more)
-        return self._drop(chosen) if total <= self.max_bytes else None
+                    "queued": len(entries) - len(written), **self._counts}
 
     # ------------------------------------------------------------ files
 
@@ -398,7 +329,7 @@ class DiskKV:
                 self._unlink(name)
             elif NAME.fullmatch(name):
                 try:
-                    self._index[name] = self._read_entry(name)
+                    self._index.entries[name] = self._read_entry(name)
                 except OSError as e:
                     log.warning("[KV-DISK] %s skipped: %s", name,
                                 "a symlink, not followed" if e.errno == errno.ELOOP else e.strerror)
@@ -406,8 +337,9 @@ class DiskKV:
                     log.warning("[KV-DISK] %s is corrupt (%s): not used, removed", name, e)
                     self._counts["rejected"] += 1
                     self._unlink(name)
-        broken = [s.name for s in self._index.values() if s.ours and not self._chain_ok(s)]
-        for name in self._drop(broken):
+        broken = [s.name for s in self._index.entries.values()
+                  if s.ours and not self._chain_ok(s)]
+        for name in self._index.drop(broken):
             log.warning("[KV-DISK] %s: a parent is gone, differs or loops: removed", name)
             self._unlink(name)
 
@@ -415,7 +347,7 @@ class DiskKV:
         """Every parent present, of ours, holding the ids the child relies on; no loop."""
         seen = set()
         while s.parent is not None:
-            p = self._index.get(s.parent)
+            p = self._index.entries.get(s.parent)
             if (p is None or not p.ours or p.name in seen or len(seen) > MAX_CHAIN
                     or common_prefix_len(p.ids, s.ids) < s.base):
                 return False
@@ -444,33 +376,25 @@ class DiskKV:
                         st.st_size, st.st_mtime_ns, ours)
 
     def _load(self, chain: list, prompt: np.ndarray, lo: int, hi: int) -> Optional[tuple]:
-        """Rows [lo, hi) of the chain, each file verified first: ((k_q, v_q, k_s, v_s),
-        bytes read), or None if a file is missing or bad (it and its children are then
-        removed)."""
-        shapes = self.layout.rows_shapes(hi - lo)
-        block = tuple(np.empty(shape, dtype) for shape, dtype in
-                      zip(shapes, (np.int8, np.int8, np.float32, np.float32)))
+        """Rows [lo, hi) of the chain, each file verified first: (RowBlock, bytes read), or
+        None if a file is missing or bad (it and its children are then removed)."""
+        block = RowBlock.empty(self.layout, hi - lo)
         nread = 0
-        for s in chain:
-            a, b = max(lo, s.base), hi
-            if a < b:
-                try:
-                    nread += self._copy_rows(s, prompt, a, b, block, lo)
-                except (OSError, ValueError) as e:
-                    log.warning("[KV-DISK] %s not used (%s): removed", s.name,
-                                getattr(e, "strerror", None) or e)
-                    with self._lock:
-                        self._counts["rejected"] += 1
-                        gone = self._drop([s.name])
-                    for name in gone:
-                        self._unlink(name)
-                    return None
-            hi = min(hi, s.base)
-            if hi <= lo:
-                break
+        for s, a, b in segments(chain, lo, hi):
+            try:
+                nread += self._copy_rows(s, prompt, a, b, block, lo)
+            except (OSError, ValueError) as e:
+                log.warning("[KV-DISK] %s not used (%s): removed", s.name,
+                            getattr(e, "strerror", None) or e)
+                with self._lock:
+                    self._counts["rejected"] += 1
+                    gone = self._index.drop([s.name])
+                for name in gone:
+                    self._unlink(name)
+                return None
         return block, nread
 
-    def _copy_rows(self, s: Snapshot, prompt: np.ndarray, a: int, b: int, block: tuple,
+    def _copy_rows(self, s: Snapshot, prompt: np.ndarray, a: int, b: int, block: RowBlock,
                    lo: int) -> int:
         """Verify one file against its index entry and the prompt, then copy its rows [a, b)
         into `block` (rows from `lo` on) from a read-only memory map. Returns the file's size."""
@@ -495,19 +419,18 @@ class DiskKV:
         shapes = self.layout.rows_shapes(m)
         q, sc = _payload_sizes(self.layout, m)
         offsets = (off, off + q, off + 2 * q, off + 2 * q + sc)
-        r0, r1 = a - h.base, b - h.base
-        for dst, shape, dtype, o in zip(block, shapes, (np.int8, np.int8, np.float32, np.float32),
-                                        offsets):
-            src = np.frombuffer(mm, dtype, int(np.prod(shape)), o).reshape(shape)
-            dst[:, :, a - lo:b - lo] = src[:, :, r0:r1]
+        src = RowBlock(*(np.frombuffer(mm, dtype, int(np.prod(shape)), o).reshape(shape)
+                         for shape, dtype, o in zip(shapes, (np.int8, np.int8, np.float32,
+                                                             np.float32), offsets)))
+        for dst, rows in zip(block, src.slice(a - h.base, b - h.base)):
+            dst[:, :, a - lo:b - lo] = rows
         return size          # the map goes with its last view (no close: views may outlive it)
 
     def _touch(self, chain: list) -> None:
         """Mark snapshots used now: in the index and as the files' mtime (LRU after a restart)."""
         now = time.time_ns()
         with self._lock:
-            for s in chain:
-                s.last_used = now
+            self._index.touch(chain, now)
         for s in chain:
             if s.written:
                 try:
@@ -537,7 +460,7 @@ class DiskKV:
                 else:
                     log.exception("[KV-DISK] cannot write %s", entry.name)
                 with self._lock:
-                    self._drop([entry.name])
+                    self._index.drop([entry.name])
                     self._counts["dropped"] += 1
 
     def _write(self, entry: Snapshot, rows: list) -> None:
@@ -545,11 +468,12 @@ class DiskKV:
         rename over nothing, fsync DIR. A crash leaves a temp file (removed at the next
         start) or the whole snapshot, never a torn one under its final name."""
         with self._lock:
-            parent = self._index.get(entry.parent) if entry.parent else None
+            parent = self._index.entries.get(entry.parent) if entry.parent else None
             parent_ok = entry.parent is None or (parent is not None and parent.written)
-            victims = self._victims(entry) if parent_ok else None
+            victims = (self._index.victims(entry.nbytes, self.max_bytes, set()) if parent_ok
+                       else None)
             if victims is None:
-                self._drop([entry.name])
+                self._index.drop([entry.name])
                 self._counts["dropped"] += 1
             else:
                 self._counts["evictions"] += len(victims)
@@ -604,7 +528,3 @@ class DiskKV:
         with self._lock:
             for k, v in deltas.items():
                 self._counts[k] += v
-
-    def _check_layout(self, kv: KVCache) -> None:
-        if kv.layout != self.layout:
-            raise ValueError(f"disk KV store made for {self.layout}, given a cache of {kv.layout}")

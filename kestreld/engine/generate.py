@@ -1,12 +1,14 @@
 """The generate loop, in phases: `prefill` a prompt into the KV cache, then decode, and
-`Engine.generate`: prefix rule -> (disk KV) -> prefill -> decode, sample, stream. Decode
+`Engine.generate`: prefix rule -> KV store (memory, disk) -> prefill -> decode, sample,
+stream; then, once the answer is out, `Engine.store_kv` keeps the arena's new rows. Decode
 feeds each chosen token through a speculate.Feeder, which verifies drafts from the context
 in the same pass when speculation is on (exact: the same ids as without it).
 
 `Engine` holds what lives as long as the process: the model, its forward pass, the KV
-cache, the prefix counters and the disk KV. It is not thread-safe: exactly one thread (the
-scheduler's worker) calls `generate` / `run` / `forward_logits`; `stats()` may be read from
-any thread (it copies plain ints), and `prompt` / `tokenize` / `detokenize` touch no KV.
+cache, the prefix counters and the KV store. It is not thread-safe: exactly one thread (the
+scheduler's worker) calls `generate` / `run` / `store_kv` / `forward_logits`; `stats()` may
+be read from any thread (it copies plain ints), and `prompt` / `tokenize` / `detokenize`
+touch no KV.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from ..vision.prompt import ImageFigures
 from .constraint import Constraint, GrammarVocabulary, answer_grammar
 from .forward import Forward
 from .kvcache import KVCache
-from .prefix import PrefixCache
+from .kvstore import KVStore
+from .prefix import PrefixCache, hit_line
 from .prompt import Prompt, PromptBuilder, Request
 from .sampler import Sampler, SamplingOptions
 from .speculate import Drafter, Feeder
@@ -50,8 +53,8 @@ class Completion:
     ids: list                       # generated ids (an ending end-of-sequence id left out)
     finish_reason: str              # "stop" | "length" | "cancelled" | "tool_calls"
     prompt_tokens: int
-    cached_tokens: int              # KV reused: from memory (the prefix rule) or the disk
-    cached_source: Optional[str]    # "memory" | "disk" | None
+    cached_tokens: int              # KV reused: the arena's (prefix rule) or the KV store's
+    cached_source: Optional[str]    # "memory" (the arena) | "store" (memory tier) | "disk" | None
     prefill_tokens: int
     completion_tokens: int
     prefill_ms: float               # images' encoding included
@@ -170,10 +173,12 @@ class _Output:
 # ---------------------------------------------------------------- the phases
 
 def prefill(forward: Forward, prompt: Prompt, chunk: int, should_stop: Optional[StopFn] = None,
-            on_progress: Optional[ProgressFn] = None) -> Optional[np.ndarray]:
+            on_progress: Optional[ProgressFn] = None,
+            logits_out: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
     """Run the prompt's tokens after the KV cache's valid rows through the model, `chunk`
     tokens per forward pass; returns the last token's logits (1, vocab), or None if
-    `should_stop` said stop between two chunks."""
+    `should_stop` said stop between two chunks. With `logits_out` (one row per token run),
+    every token's logits are written there."""
     kv = forward.kv
     start = pos = kv.cache_len
     ids, keys, vision = prompt.ids, prompt.keys, prompt.vision
@@ -182,7 +187,8 @@ def prefill(forward: Forward, prompt: Prompt, chunk: int, should_stop: Optional[
         if should_stop is not None and should_stop():
             return None
         n = min(chunk, len(ids) - pos)
-        logits = forward(ids[pos:pos + n], keys[pos:pos + n],
+        out = logits_out[pos - start:pos - start + n] if logits_out is not None else None
+        logits = forward(ids[pos:pos + n], keys[pos:pos + n], logits_out=out,
                          vision=vision.chunk(pos, pos + n) if vision is not None else None)
         pos += n
         if on_progress is not None:
@@ -195,11 +201,12 @@ def _as_prompt(prompt: Union[Prompt, Sequence[int]]) -> Prompt:
 
 
 class Engine:
-    """The model, its forward pass and KV cache, the prefix rule's counters, the disk KV."""
+    """The model, its forward pass and KV cache, the prefix rule's counters, the KV store."""
 
     def __init__(self, model, max_seq: int = 8192, threads: int = 1, prefix_kv: bool = True,
                  prefix_min: int = 16, kv_bs: int = 32, prefill_chunk: int = 256,
-                 disk_kv=None, image_dir: Optional[str] = None, speculate: bool = True):
+                 store: Optional[KVStore] = None, image_dir: Optional[str] = None,
+                 speculate: bool = True):
         self.model = model
         self.tokenizer = model.tokenizer
         self.threads = threads
@@ -209,7 +216,8 @@ class Engine:
         self.forward = Forward(model, self.kv, prefill_chunk, threads)
         self.prefix = PrefixCache(prefix_kv, prefix_min)
         self.prompts = PromptBuilder(model, max_seq, image_dir)
-        self.disk_kv = disk_kv      # diskkv.DiskKV or None: snapshots that outlive the process
+        # recent prompts' KV beyond the arena's one line (memory tier, disk tier); none: off
+        self.store = store if store is not None else KVStore()
         self.speculate = speculate  # drafts from the context (speculate.py), unless a request says not
         self.drafted = 0            # tokens drafted and accepted, over the process' life
         self.accepted = 0
@@ -217,11 +225,11 @@ class Engine:
         self._grammar_vocab: Optional[GrammarVocabulary] = None   # at the first grammar
 
     @classmethod
-    def from_config(cls, model, cfg, disk_kv=None) -> "Engine":
+    def from_config(cls, model, cfg, store: Optional[KVStore] = None) -> "Engine":
         """An engine sized by a kestreld Config."""
         return cls(model, max_seq=cfg.max_seq, threads=cfg.n_threads, prefix_kv=cfg.prefix_kv,
                    prefix_min=cfg.prefix_min, kv_bs=cfg.kv_bs, prefill_chunk=cfg.prefill_chunk,
-                   disk_kv=disk_kv, image_dir=cfg.image_dir, speculate=cfg.speculate)
+                   store=store, image_dir=cfg.image_dir, speculate=cfg.speculate)
 
     # ---- text (any thread) ----------------------------------------------------------
     def prompt(self, request: Request) -> Prompt:
@@ -236,13 +244,13 @@ class Engine:
 
     def stats(self) -> dict:
         return {"cache_len": self.kv.cache_len, "prefix": self.prefix.stats(),
+                "kv_store": self.store.stats(),
                 "speculation": {"enabled": self.speculate, "drafted": self.drafted,
                                 "accepted": self.accepted}}
 
     def close(self) -> None:
         """At shutdown: let the disk KV writer finish what is queued."""
-        if self.disk_kv is not None:
-            self.disk_kv.close()
+        self.store.close()
 
     # ---- the engine thread ------------------------------------------------------------
     def run(self, request: Request, opts: SamplingOptions, **callbacks) -> Completion:
@@ -257,12 +265,16 @@ class Engine:
         self.kv.truncate(start_pos)
         ids = [int(i) for i in ids]
         out = np.empty((len(ids), self.vocab_size), dtype=np.float32)
-        for i in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[i:i + self.prefill_chunk]
-            keys = vision.keys[i:i + len(chunk)] if vision is not None else chunk
-            self.forward(chunk, keys, logits_out=out[i:i + len(chunk)],
-                         vision=vision.chunk(i, i + len(chunk)) if vision is not None else None)
+        # the cache's rows [0, start_pos) stand before ids (their keys: never run again)
+        prompt = Prompt(list(self.kv.keys) + ids, vision=vision)
+        prefill(self.forward, prompt, self.prefill_chunk, logits_out=out)
         return out
+
+    def store_kv(self) -> None:
+        """Off the request's critical path (the scheduler calls it once the answer is sent):
+        the KV store copies out the arena's rows it does not hold yet, so that a later
+        request can have them back after other requests overwrote the arena."""
+        self.store.save(self.kv)
 
     def generate(self, prompt: Union[Prompt, Sequence[int]], opts: SamplingOptions,
                  on_token: Optional[TokenFn] = None, on_progress: Optional[ProgressFn] = None,
@@ -277,9 +289,10 @@ class Engine:
         kv, vision = self.kv, prompt.vision
         plan = self.prefix.plan(prompt.keys, kv.keys)
         kv.truncate(plan.keep)
-        from_disk = self.disk_kv is not None and self.disk_kv.restore(prompt.keys, kv)
-        source = "disk" if from_disk else ("memory" if plan.hit else None)
+        stored = self.store.restore(prompt.keys, kv)
+        source = stored or ("memory" if plan.hit else None)
         keep = kv.cache_len
+        event = hit_line(keep, len(prompt.ids), stored) if stored else plan.log_line
         if vision is not None:
             vision.encode(self.model.vision, keep, self.threads)
         logits = prefill(self.forward, prompt, self.prefill_chunk, should_stop, on_progress)
@@ -300,15 +313,13 @@ class Engine:
         if calls and (finish == "stop" or (finish == "length" and prompt.tools.required)):
             finish = "tool_calls"
         t_end = time.perf_counter()
-        if self.disk_kv is not None:
-            self.disk_kv.save(kv)
         return Completion(
             text=text, ids=ids, finish_reason=finish, prompt_tokens=len(prompt.ids),
             cached_tokens=keep, cached_source=source, prefill_tokens=len(prompt.ids) - keep,
             completion_tokens=len(ids), prefill_ms=(t_prefill - t0) * 1e3,
             decode_ms=(t_end - t_prefill) * 1e3, ttft_ms=((t_first or t_end) - t0) * 1e3,
             logprobs=lps, drafted_tokens=feeder.drafted, accepted_tokens=feeder.accepted,
-            prefix_event=plan.log_line,
+            prefix_event=event,
             images=vision.figures() if vision is not None else None, reasoning=reasoning,
             tool_calls=calls or None)
 

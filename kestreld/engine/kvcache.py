@@ -23,6 +23,7 @@ token id, or for Qwen3-VL's image placeholders a negative key derived from the i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,7 +66,32 @@ class KVLayout:
         return q, q, s, s
 
 
-RowBlock = tuple   # (k_q, v_q, k_s, v_s) of some tokens, shaped as KVLayout.rows_shapes
+class RowBlock(NamedTuple):
+    """Some tokens' rows of the four arrays, shaped as KVLayout.rows_shapes: what
+    `KVCache.copy_rows` returns and `KVCache.restore` takes."""
+    k_q: np.ndarray
+    v_q: np.ndarray
+    k_s: np.ndarray
+    v_s: np.ndarray
+
+    @classmethod
+    def empty(cls, layout: "KVLayout", n: int) -> "RowBlock":
+        """Uninitialised rows for n tokens."""
+        return cls(*(np.empty(shape, dtype) for shape, dtype in
+                     zip(layout.rows_shapes(n), (np.int8, np.int8, np.float32, np.float32))))
+
+    def slice(self, a: int, b: int) -> "RowBlock":
+        """Views of the block's rows [a, b)."""
+        return RowBlock(*(x[:, :, a:b] for x in self))
+
+    @property
+    def n(self) -> int:
+        """Tokens in the block."""
+        return self.k_q.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self)
 
 
 class KVCache:
@@ -117,17 +143,13 @@ class KVCache:
         """Tokens that still fit after the valid cache."""
         return self.max_seq - self.cache_len
 
-    def layer(self, i: int) -> tuple:
-        """(k_q, k_s, v_q, v_s) views of layer i: (n_kv, max_seq, hd) int8 and (n_kv, max_seq)
-        f32, for the forward pass, which writes the rows it computes."""
-        return self.k_q[i], self.k_s[i], self.v_q[i], self.v_s[i]
-
     def copy_rows(self, a: int, b: int) -> RowBlock:
-        """Copies of the valid rows [a, b) (for a disk snapshot: the next request may
-        overwrite the arena at once)."""
+        """Copies of the valid rows [a, b) (for a snapshot in the KV store: the next request
+        may overwrite the arena at once)."""
         if not 0 <= a <= b <= self.cache_len:
             raise ValueError(f"copy_rows({a}, {b}) outside the valid cache [0, {self.cache_len}]")
-        return tuple(np.ascontiguousarray(x[:, :, a:b]) for x in (self.k_q, self.v_q, self.k_s, self.v_s))
+        return RowBlock(*(np.ascontiguousarray(x[:, :, a:b])
+                          for x in (self.k_q, self.v_q, self.k_s, self.v_s)))
 
     # ---- writing (the engine thread) ----------------------------------------------
     def truncate(self, keep: int) -> None:
@@ -150,7 +172,7 @@ class KVCache:
         """Write rows [start, start + n) from a snapshot (k_q, v_q, k_s, v_s of n tokens)
         and make `keys` (the keys of rows [0, start + n)) the cache's keys. Rows before
         `start` must be valid already and are not touched."""
-        n = rows[0].shape[2]
+        n = rows.n
         keys = [int(k) for k in keys]
         if not 0 <= start <= self.cache_len or len(keys) != start + n or start + n > self.max_seq:
             raise ValueError(f"restore of rows [{start}, {start + n}) with {len(keys)} keys "

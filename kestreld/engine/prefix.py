@@ -26,6 +26,13 @@ def common_prefix_len(a, b) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def hit_line(keep: int, n_prompt: int, source: str) -> str:
+    """The [KV-PREFIX] line of a request that kept `keep` tokens from `source`: "memory"
+    (the arena), "store" (the KV store's memory tier) or "disk"."""
+    return (f"[KV-PREFIX] hit keep={keep} prompt={n_prompt} prefill={n_prompt - keep} "
+            f"source={source}")
+
+
 @dataclass(frozen=True)
 class PrefixPlan:
     keep: int       # tokens of KV reused
@@ -51,8 +58,7 @@ class PrefixCache:
         if self.enabled and keep >= self.min_match:
             self.hits += 1
             self.tokens_reused += keep
-            line = f"[KV-PREFIX] hit keep={keep} prompt={len(prompt_keys)} prefill={len(prompt_keys) - keep}"
-            return PrefixPlan(keep, lcp, True, line)
+            return PrefixPlan(keep, lcp, True, hit_line(keep, len(prompt_keys), "memory"))
         self.misses += 1
         why = "" if self.enabled else " (prefix reuse off)"
         return PrefixPlan(0, lcp, False, f"[KV-PREFIX] miss lcp={lcp}{why}")

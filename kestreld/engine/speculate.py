@@ -41,13 +41,12 @@ class Drafter:
 
     def __init__(self, context, capacity: int, exclude=()):
         self.ids = np.zeros(capacity, np.int64)
-        self.n = 0
+        self.n = min(len(context), capacity)
+        self.ids[:self.n] = context[:self.n]
         self.exclude = np.array(sorted(exclude), np.int64)
         self.length = FIRST_DRAFT
         self.rest = 0             # tokens to decode before drafting again
         self.rest_next = 1        # the next rest after a pass that gains nothing
-        for tok in context:
-            self.push(tok)
 
     def push(self, tok: int) -> None:
         """Appends a token chosen (or, at the start, of the prompt)."""

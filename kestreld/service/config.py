@@ -112,6 +112,7 @@ class Config:
     image_dir: Optional[str] = None      # image paths in chat are read only from here (None: refused)
     disk_kv: Optional[str] = None        # directory of KV snapshots that outlive the process (None: off)
     disk_kv_max_bytes: int = 4 << 30     # the snapshots' total size; least recently used evicted
+    kv_memory: Optional[int] = None      # the KV store's memory tier, bytes (None: by RAM; 0: off)
     http: tuple = ()                     # HTTP API listeners ("127.0.0.1:8080", "unix:PATH"); () off
     http_allow_remote: bool = False      # allow non-loopback HTTP addresses (and any Host header)
     http_api_key_file: Optional[str] = None  # the Bearer key the HTTP API then requires
@@ -130,6 +131,11 @@ class Config:
             raise ValueError(f"shutdown-grace must be >= 0, got {self.shutdown_grace}")
         if self.disk_kv and not self.prefix_kv:
             raise ValueError("disk-kv reuses KV by common prefix: it cannot be used with no-prefix-kv")
+        if self.kv_memory is not None and self.kv_memory < 0:
+            raise ValueError(f"kv-memory must be >= 0, got {self.kv_memory}")
+        if self.kv_memory and not self.prefix_kv:
+            raise ValueError("kv-memory reuses KV by common prefix: it cannot be used with "
+                             "no-prefix-kv")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         for address in self.http_addresses:
@@ -220,6 +226,10 @@ def _parser() -> argparse.ArgumentParser:
     a("--disk-kv", metavar="DIR", help="keep KV snapshots in DIR and reuse them after a restart "
       "(default: off; see docs/disk-kv.md)")
     a("--disk-kv-max-bytes", type=int, help="total size of the snapshots in DIR (default 4 GiB)")
+    a("--kv-memory", type=int, metavar="BYTES",
+      help="keep recent prompts' KV in this many bytes of memory, least recently used evicted, "
+      "lost at exit (default: 1/8 of the RAM, at most 1 GiB and half of what the weights and "
+      "the arena leave; 0: only the arena's last request; see docs/kv-store.md)")
     a("--http", action="append", metavar="ADDR",
       help="also serve the OpenAI-compatible HTTP API on ADDR: HOST:PORT (loopback unless "
       "--http-allow-remote), [::1]:PORT or unix:PATH; repeatable (env KESTREL_HTTP, "
@@ -248,7 +258,7 @@ def _coerce(name: str, value: str):
         return int(value, 8)
     if kind == "tuple":
         return tuple(v.strip() for v in value.split(",") if v.strip())
-    if kind in ("int",):
+    if kind in ("int", "Optional[int]"):
         return int(value)
     if kind in ("bool",):
         if value.lower() in ("1", "true", "yes", "on"):

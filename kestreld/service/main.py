@@ -27,6 +27,7 @@ from ..engine.diskkv import DiskKV
 from ..engine.generate import Engine
 from ..engine.prompt import TextInput
 from ..engine.kvcache import KVLayout
+from ..engine.kvstore import KVStore, MemoryKV, default_kv_memory
 from ..engine.sampler import SamplingOptions
 from ..errors import FatalError, InsufficientMemory, StartupError
 from ..model.convert import default_model_path
@@ -144,22 +145,36 @@ def placement_line(model) -> str:
     return line
 
 
-def memory_check(cfg: Config, path: str, available: int):
-    """The `fits` check of load_model: InsufficientMemory when the weights and the KV arena
-    of max_seq tokens need more than `available` bytes (unless --no-memory-check); else
-    whether they fit."""
-    def fits(config, weights_bytes: int) -> bool:
+class MemoryCheck:
+    """The `fits` check of load_model: InsufficientMemory when the weights, the KV arena of
+    max_seq tokens and the KV store's memory budget need more than `available` bytes
+    (unless --no-memory-check). Once called, `kv_memory` is that budget: --kv-memory, or
+    by default default_kv_memory of the `total` RAM and of what the rest leaves."""
+
+    def __init__(self, cfg: Config, path: str, available: int, total: int):
+        self.cfg, self.path, self.available, self.total = cfg, path, available, total
+        self.kv_memory = 0
+
+    def __call__(self, config, weights_bytes: int) -> bool:
+        """Whether the weights, the arena and the budget fit (raises when they must)."""
+        cfg = self.cfg
         arena = KVLayout.of(config, cfg.max_seq).nbytes
-        fit = weights_bytes + arena <= available
+        if cfg.kv_memory is not None:
+            self.kv_memory = cfg.kv_memory
+        else:
+            left = self.available - weights_bytes - arena
+            self.kv_memory = default_kv_memory(self.total, left) if cfg.prefix_kv else 0
+        need = weights_bytes + arena + self.kv_memory
+        fit = need <= self.available
         if cfg.memory_check and not fit:
             raise InsufficientMemory(
-                f"{path}: the model needs {(weights_bytes + arena) / 2**20:,.0f} MiB (weights "
+                f"{self.path}: the model needs {need / 2**20:,.0f} MiB (weights "
                 f"{weights_bytes / 2**20:,.0f} MiB + KV arena {arena / 2**20:,.0f} MiB at "
-                f"max-seq {cfg.max_seq}) and {available / 2**20:,.0f} MiB are available; lower "
-                f"--max-seq, or start anyway with --no-memory-check (an MoE model's unused "
+                f"max-seq {cfg.max_seq} + KV store {self.kv_memory / 2**20:,.0f} MiB) and "
+                f"{self.available / 2**20:,.0f} MiB are available; lower --max-seq or "
+                f"--kv-memory, or start anyway with --no-memory-check (an MoE model's unused "
                 f"experts may stay on disk)")
         return fit
-    return fits
 
 
 def _open_disk_kv(cfg: Config, model) -> tuple[Optional[DiskKV], Optional[str]]:
@@ -176,21 +191,25 @@ def _open_disk_kv(cfg: Config, model) -> tuple[Optional[DiskKV], Optional[str]]:
 
 def build_engine(cfg: Config, path: str, sharing: Optional[CoreSharing] = None) -> Engine:
     """Load the model (after checking it fits the memory available) and allocate the KV
-    arena (once, for max_seq tokens); open --disk-kv. With `sharing` (started earlier), warn
-    if other processes use our cores."""
+    arena (once, for max_seq tokens); make the KV store (memory tier, --disk-kv). With
+    `sharing` (started earlier), warn if other processes use our cores."""
     t0 = time.monotonic()
-    model = load_model(path, cache_dir=cfg.cache_dir, mmproj=cfg.mmproj,
-                       fits=memory_check(cfg, path, psutil.virtual_memory().available),
+    mem = psutil.virtual_memory()
+    check = MemoryCheck(cfg, path, mem.available, mem.total)
+    model = load_model(path, cache_dir=cfg.cache_dir, mmproj=cfg.mmproj, fits=check,
                        interleave=cfg.interleave)
-    disk_kv, disk_kv_error = _open_disk_kv(cfg, model) if cfg.disk_kv else (None, None)
-    engine = Engine.from_config(model, cfg, disk_kv=disk_kv)
+    layout = KVLayout.of(model.config, cfg.max_seq)
+    memory = MemoryKV(check.kv_memory, layout, cfg.prefix_min) if check.kv_memory else None
+    disk, disk_kv_error = _open_disk_kv(cfg, model) if cfg.disk_kv else (None, None)
+    engine = Engine.from_config(model, cfg, store=KVStore(memory, disk))
     engine.disk_kv_error = disk_kv_error
     c, kv = model.config, engine.kv
     log.info("model %s: %s %s, %d layers, %d params, weights %s (%s) in %.1f s",
              path, c.arch, c.name, c.n_layers, c.n_params, weights_line(model),
              placement_line(model), time.monotonic() - t0)
-    log.info("inference state ready (max_seq=%d, kv_bs=%d, kv_arena=%.1f MB, threads=%d)",
-             kv.max_seq, kv.kv_bs, kv.nbytes / 1e6, engine.threads)
+    log.info("inference state ready (max_seq=%d, kv_bs=%d, kv_arena=%.1f MB, threads=%d, "
+             "kv_memory=%.1f MB%s)", kv.max_seq, kv.kv_bs, kv.nbytes / 1e6, engine.threads,
+             check.kv_memory / 1e6, "" if cfg.kv_memory is not None else " by default")
     line = sharing and sharing_line(sharing.cpus, sharing.others(), engine.threads)
     if line:
         log.warning("%s", line)

@@ -60,10 +60,34 @@ class _StatusCollector:
                 ("kestrel_speculation_accepted_tokens", "accepted",
                  "drafted tokens that were chosen (each one saved a decode pass)")):
             yield CounterMetricFamily(name, doc, value=spec[key])
+        yield from _kv_store_metrics(s)
         info = GaugeMetricFamily("kestrel_info", "what this daemon runs",
                                  labels=["version", "model", "arch"])
         info.add_metric([s["version"], s["model"]["name"], s["model"]["arch"]], 1)
         yield info
+
+
+def _kv_store_metrics(s: dict):
+    """The KV store's tiers (status's kv_memory and disk_kv maps), labelled by tier."""
+    tiers = {"memory": s["kv_memory"], "disk": s["disk_kv"]}
+    on = {t: v for t, v in tiers.items() if v["enabled"]}
+    for name, doc, key, kind in (
+            ("kestrel_kv_store_entries", "snapshots the KV store holds", None, GaugeMetricFamily),
+            ("kestrel_kv_store_bytes", "bytes the KV store's snapshots take", "bytes",
+             GaugeMetricFamily),
+            ("kestrel_kv_store_max_bytes", "the tier's budget in bytes", "max_bytes",
+             GaugeMetricFamily),
+            ("kestrel_kv_store_hits", "requests whose prefix the tier restored", "hits",
+             CounterMetricFamily),
+            ("kestrel_kv_store_misses", "requests the arena missed and the tier had nothing "
+             "for", "misses", CounterMetricFamily),
+            ("kestrel_kv_store_evictions", "snapshots evicted (least recently used)",
+             "evictions", CounterMetricFamily)):
+        family = kind(name, doc, labels=["tier"])
+        for tier, v in on.items():
+            value = v[key] if key else v["entries"] if tier == "memory" else v["files"]
+            family.add_metric([tier], value)
+        yield family
 
 
 class Metrics:

@@ -6,8 +6,9 @@ Thread-safety rules:
   event-loop thread; `stats` from any thread; `wait_idle` and `join` block, so the loop
   calls them through an executor.
 - Only the worker thread calls the engine's `run` (which builds the prompt, images
-  included, and generates). Shared state (the queue, the running job, counters) is guarded
-  by `_lock`.
+  included, and generates) and `store_kv` (which keeps the arena's new rows in the KV
+  store, after the answer was posted: off the request's critical path). Shared state
+  (the queue, the running job, counters) is guarded by `_lock`.
 - A job's events are delivered on the loop thread: the worker posts them with
   `loop.call_soon_threadsafe(job.on_event, event)`; `on_event` never runs on the worker.
 - A job is stopped through its `stop` event, which the engine polls (`should_stop`)
@@ -244,6 +245,15 @@ class Scheduler:
             # client that has its answer never sees `busy` for it in status
             if final is not None:
                 self._finish(job, final)
+            self._store_kv()
+
+    def _store_kv(self) -> None:
+        """Between jobs: the KV store copies out what the last one left in the arena. A
+        request queued meanwhile waits for this copy only (memory speed)."""
+        try:
+            self._engine.store_kv()
+        except Exception:              # the store is a cache: a bug there loses no answer
+            log.exception("the KV store could not keep the last request's KV")
 
     def _run(self, job: Job) -> Union[Done, Failed]:
         """Run one job on the engine; returns its final event (posted by the caller)."""

@@ -58,13 +58,12 @@ class StatusReporter:
         """The daemon's resident memory."""
         return self._process.memory_info().rss
 
-    def _disk_kv(self) -> dict:
-        eng = self._engine
-        if eng.disk_kv is not None:
-            return eng.disk_kv.stats()
-        if eng.disk_kv_error is not None:       # --disk-kv given, its directory unusable
-            return {"enabled": False, "dir": self._config.disk_kv, "error": eng.disk_kv_error}
-        return {"enabled": False}
+    def _disk_kv(self, stats: dict) -> dict:
+        """The disk tier's figures; off because --disk-kv's directory is unusable: why."""
+        if not stats["enabled"] and self._engine.disk_kv_error is not None:
+            return {"enabled": False, "dir": self._config.disk_kv,
+                    "error": self._engine.disk_kv_error}
+        return stats
 
     def status(self) -> dict:
         eng, kv = self._engine, self._engine.kv
@@ -85,7 +84,8 @@ class StatusReporter:
             "cache_len": engine_stats["cache_len"],
             "prefix": dict(engine_stats["prefix"]),
             "speculation": dict(engine_stats["speculation"]),
-            "disk_kv": self._disk_kv(),
+            "kv_memory": engine_stats["kv_store"]["memory"],
+            "disk_kv": self._disk_kv(engine_stats["kv_store"]["disk"]),
             "experts_copied_bytes": eng.model.weights.expert_copies_bytes(),
             "rss_mb": round(self.rss_bytes() / 2**20, 1),
             "mem_avail_mb": round(psutil.virtual_memory().available / 2**20, 1),
