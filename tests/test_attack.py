@@ -141,12 +141,12 @@ def test_idle_connections_are_bounded_and_closed(tmp_path):
 
 def test_a_connection_running_a_request_is_not_idle(tmp_path):
     """A long request with nothing sent meanwhile (stream off) is not cut by idle-timeout."""
-    with Daemon(tmp_path / "k.sock", "--max-seq", "256", "--idle-timeout", "1") as d:
+    with Daemon(tmp_path / "k.sock", "--max-seq", "512", "--idle-timeout", "1") as d:
         raw = Raw(d.socket)
-        raw.send([0, 1, "generate", [{"prompt": SHORT, "max_tokens": 120, "ignore_eos": True,
-                                      "stream": False}]])
+        raw.send([0, 1, "generate", [{"prompt": SHORT, "max_tokens": 300, "ignore_eos": True,
+                                      "speculate": False, "stream": False}]])
         _, reply = raw.until_response(1)
-        assert reply[2] is None and reply[3]["usage"]["completion_tokens"] == 120
+        assert reply[2] is None and reply[3]["usage"]["completion_tokens"] == 300
         assert reply[3]["timings"]["decode_ms"] > 1000      # longer than the idle timeout
         raw.close()
 
