@@ -220,9 +220,8 @@ def test_schemas_the_engine_cannot_follow_are_short_bad_requests(daemon, schema)
 def test_a_stream_nobody_reads_is_cut_and_its_job_withdrawn(tmp_path):
     """Streaming clients that never read were never cut off: the answer was generated in
     full into buffers. Now unsent bytes that do not shrink for idle-timeout abort the
-    connection and the
-    job is withdrawn, whatever the route (log-probabilities make each event about 2 kB:
-    buffers fill fast)."""
+    connection and the job is withdrawn, whatever the route (log-probabilities make each
+    event about 2 kB: buffers fill fast)."""
     with Daemon(tmp_path / "k.sock", "--max-seq", "2048", "--http", "127.0.0.1:0",
                 "--idle-timeout", "2") as d:
         host, port = d.http_url[len("http://"):].rsplit(":", 1)
