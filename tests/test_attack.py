@@ -104,9 +104,9 @@ def _closed_by_peer(s: socket.socket, within: float) -> bool:
 
 def test_idle_connections_are_bounded_and_closed(tmp_path):
     """Connections that send nothing were never closed, and at RLIMIT_NOFILE status,
-    ping and /health timed out. Now each transport holds at most max-connections (one
-    more is closed at once; HTTP answers it 503 too_many_connections), and idle ones are
-    closed after idle-timeout; the other transport serves meanwhile."""
+    ping and /health timed out. Now each transport holds at most max-connections: on the
+    RPC socket a new client takes the place of the connection idle the longest, on HTTP
+    the one over gets 503 too_many_connections; idle ones are closed after idle-timeout."""
     with Daemon(tmp_path / "k.sock", "--max-seq", "256", "--http", "127.0.0.1:0",
                 "--max-connections", "8", "--idle-timeout", "3") as d:
         host, port = d.http_url[len("http://"):].rsplit(":", 1)
@@ -116,9 +116,10 @@ def test_idle_connections_are_bounded_and_closed(tmp_path):
             s.connect(d.socket)
             idle.append(s)
         time.sleep(0.3)
-        extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        extra.connect(d.socket)
-        assert _closed_by_peer(extra, 2.0)                       # over the bound: closed
+        with d.client() as c:                                    # at the bound: still served
+            assert c.ping()["ok"] is True
+        assert _closed_by_peer(idle[0], 2.0)                     # the idlest made room
+        assert "idle the longest at max-connections (8)" in d.log()
         r = httpx.get(d.http_url + "/health", timeout=10)        # HTTP unaffected
         assert r.json() == {"status": "ok"}
         web = [socket.create_connection((host, int(port))) for _ in range(8)]
@@ -128,14 +129,14 @@ def test_idle_connections_are_bounded_and_closed(tmp_path):
         reply = over.recv(4096)
         assert reply.startswith(b"HTTP/1.1 503") and b"too_many_connections" in reply
         t0 = time.monotonic()
-        assert all(_closed_by_peer(s, 10.0) for s in idle + web)  # idle: closed by the daemon
+        assert all(_closed_by_peer(s, 10.0) for s in idle[1:] + web)   # closed when idle
         assert time.monotonic() - t0 < 8
         with d.client() as c:
             assert c.ping()["ok"] is True
         assert httpx.get(d.http_url + "/health", timeout=10).status_code == 200
         assert "idle for 3 s: closing it" in d.log()
-        assert "refusing new ones" in d.log()
-        for s in idle + web + [extra, over]:
+        assert "refusing new ones" in d.log()                    # HTTP's 503
+        for s in idle + web + [over]:
             s.close()
 
 

@@ -213,8 +213,8 @@ def _parser() -> argparse.ArgumentParser:
       "none of its requests runs, and an HTTP stream whose client stops reading for S "
       "seconds (default 120)")
     a("--max-connections", type=int, metavar="N",
-      help="open connections allowed on the RPC socket, and on the HTTP API; more are "
-      "closed at once (default 256)")
+      help="open connections allowed on the RPC socket, and on the HTTP API (default 256); "
+      "over it the RPC socket closes the connection idle the longest, HTTP answers 503")
     a("--shutdown-grace", type=int, help="seconds a running request may finish on SIGTERM (default 10)")
     a("--prompt", help="one-shot: generate a completion for TEXT, print it, exit")
     a("--log-level", choices=["debug", "info", "warning", "error"])

@@ -3,7 +3,8 @@
 Each open connection holds a file descriptor. Without a bound, clients that connect and
 send nothing (any member of the socket's group, or any local process for the HTTP port)
 used every descriptor of RLIMIT_NOFILE, and then `status`, `ping` and /health all failed.
-So each listener accepts at most `max_connections` at once: one more is accepted and
+So each listener holds at most `max_connections` at once: over it, the RPC socket closes
+the connection idle the longest to make room, and otherwise the new one is accepted and
 closed at once (with a short reply where the protocol has one), which frees its
 descriptor. Idle connections are closed after `idle_timeout` (server.py, http.py), and
 `cut_stalled_readers` aborts connections whose clients stopped reading their answers.
@@ -14,7 +15,7 @@ import asyncio
 import logging
 import resource
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 log = logging.getLogger("kestreld.service.connlimit")
 
@@ -36,20 +37,23 @@ class Refused(asyncio.Protocol):
 
 class Bounded:
     """A protocol factory that makes at most `limit` live connections through `factory`
-    (`open_count` says how many are open) and refuses the others."""
+    (`open_count` says how many are open). At the limit, `evict` (if given) may close an
+    idle connection to make room (True if it did); otherwise the new one is refused."""
 
     def __init__(self, factory: Callable[[], asyncio.BaseProtocol], open_count: Callable[[], int],
-                 limit: int, what: str, reply: bytes = b""):
+                 limit: int, what: str, reply: bytes = b"",
+                 evict: Optional[Callable[[], bool]] = None):
         self.factory = factory
         self.open_count = open_count
         self.limit = limit
         self.what = what
         self.reply = reply
+        self.evict = evict
         self.refused = 0
         self._warned = 0.0
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if self.open_count() < self.limit:
+        if self.open_count() < self.limit or (self.evict is not None and self.evict()):
             return self.factory()
         self.refused += 1
         now = time.monotonic()

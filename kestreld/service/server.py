@@ -334,10 +334,25 @@ class Server:
             where = self.config.socket
         loop = asyncio.get_running_loop()
         # about max_connections: a burst accepted at once may pass it by the listen backlog
-        factory = Bounded(self._new_connection, lambda: len(self.connections),
-                          self.config.max_connections, "RPC socket")
+        factory = Bounded(self._new_connection,
+                          lambda: sum(not c.closed for c in self.connections.values()),
+                          self.config.max_connections, "RPC socket", evict=self._evict_idlest)
         self._aserver = await loop.create_unix_server(factory, sock=sock)
         return where
+
+    def _evict_idlest(self) -> bool:
+        """At max_connections: close the connection idle the longest (none of its requests
+        running), so that a flood of idle connections cannot lock out a new client.
+        False if every connection is busy."""
+        idle = [c for c in self.connections.values() if not (c.closed or c.jobs or c.aside)]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.last_active)
+        log.info("connection %d closed: idle the longest at max-connections (%d)", oldest.id,
+                 self.config.max_connections)
+        oldest.closed = True
+        oldest.transport.abort()
+        return True
 
     def stop_accepting(self) -> None:
         """Close the listening socket and remove our socket file (never systemd's)."""
