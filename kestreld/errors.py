@@ -106,6 +106,12 @@ class MethodNotAllowed(KestrelError, code="method_not_allowed", http_status=405,
     """An HTTP method the path does not take."""
 
 
+class UnsupportedMediaType(KestrelError, code="unsupported_media_type", http_status=415,
+                           exit_status=None, wire=False):
+    """A request body that is not declared `application/json` (a browser may send
+    text/plain or a form to any site without asking first: CSRF)."""
+
+
 class Loading(KestrelError, code="loading", http_status=503, exit_status=None, wire=False):
     """The HTTP listener is up but the model is still loading."""
 

@@ -43,6 +43,7 @@ MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20
 SEED_LIMIT = 1 << 64          # seeds are 0 <= seed < 2**64
 MAX_IMAGES = 16               # image parts in one chat request
+MAX_MESSAGES = 4096           # messages in one chat (each takes a few tokens of the context)
 MAX_PATH_CHARS = 4096
 MAX_TOOLS = 128               # functions offered in one chat request
 MAX_TOOL_CALLS = 64           # calls in one assistant message
@@ -51,12 +52,21 @@ MAX_SCHEMA_DEPTH = 32         # nesting of a JSON schema (response_format, tool 
 MAX_SCHEMA_NODES = 10_000     # values in one JSON schema
 MAX_EMBED_INPUTS = 2048       # inputs of one embed request (OpenAI's limit)
 MAX_EMBED_TOKENS = 1 << 17    # their tokens together
+# What the grammar engine (llguidance) follows exactly and within its limits: numbers as
+# doubles (integers beyond 2**53 come out rounded), a few hundred alternatives per choice
+# (its parser keeps at most 2,000 items per step), and regexes of bounded size once their
+# counted repetitions are expanded (a{1000000} exhausts it).
+MAX_SCHEMA_INT = 1 << 53
+MAX_SCHEMA_ALTERNATIVES = 256  # anyOf / oneOf branches
+MAX_SCHEMA_ENUM = 1000         # enum values
+MAX_PATTERN_SIZE = 10_000      # a pattern's characters, counted repetitions expanded
 PENALTY_LIMIT = 2.0           # presence / frequency penalties in [-2, 2], as OpenAI's
 BIAS_LIMIT = 100.0            # logit_bias values in [-100, 100], as OpenAI's; -100 bans
 MAX_BIASED = 1024             # token ids in one logit_bias map
 # OpenAI's rule for function and response-format names
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("auto", "none", "required")
+ROLES = ("system", "user", "assistant", "tool")   # a chat message's role (the template's words)
 
 
 # ---------------------------------------------------------------- typed parameters
@@ -226,6 +236,8 @@ def _embed_inputs(v, vocab_size: int) -> tuple:
 def _messages(v) -> tuple:
     if not isinstance(v, (list, tuple)) or not v:
         raise BadRequest("messages must be a non-empty list of {role, content} maps")
+    if len(v) > MAX_MESSAGES:      # checked first: a huge list must not hold the event loop
+        raise BadRequest(f"messages: at most {MAX_MESSAGES}, got {len(v)}")
     out = [_message(f"messages[{n}]", m) for n, m in enumerate(v)]
     n_images = sum(1 for m in out if not isinstance(m["content"], str)
                    for part in m["content"] if part["type"] == "image")
@@ -246,7 +258,9 @@ def _message(name: str, m) -> dict:
         allowed = ", ".join(["role", "content"] + sorted(extra))
         raise BadRequest(f"{name} must be a map with role and content (an assistant's may add "
                          f"tool_calls, a tool's tool_call_id); allowed here: {allowed}, got {keys}")
-    out = {"role": _str(f"{name}.role", role)}
+    if role not in ROLES:
+        raise BadRequest(f"{name}.role must be one of {', '.join(ROLES)}, got {_QUOTE.repr(role)}")
+    out = {"role": role}
     content = m.get("content")
     if "tool_calls" in m:
         out["tool_calls"] = _tool_calls(f"{name}.tool_calls", m["tool_calls"])
@@ -404,8 +418,14 @@ def _schema_keywords(name: str, s) -> None:
     if "required" in s and not (isinstance(s["required"], list)
                                 and all(isinstance(k, str) for k in s["required"])):
         raise BadRequest(f"{name}.required must be a list of property names")
-    if "enum" in s and not (isinstance(s["enum"], list) and s["enum"]):
-        raise BadRequest(f"{name}.enum must be a non-empty list")
+    if "enum" in s and not (isinstance(s["enum"], list) and 0 < len(s["enum"]) <= MAX_SCHEMA_ENUM):
+        raise BadRequest(f"{name}.enum must be a list of 1..{MAX_SCHEMA_ENUM} values")
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                "enum", "const"):
+        if key in s:
+            _exact_numbers(f"{name}.{key}", s[key])
+    if "pattern" in s:
+        _pattern(f"{name}.pattern", s["pattern"])
     for key in ("properties", "patternProperties", "$defs", "definitions"):
         if key in s:
             if not isinstance(s[key], dict):
@@ -419,8 +439,81 @@ def _schema_keywords(name: str, s) -> None:
         if key in s:
             if not (isinstance(s[key], list) and s[key]):
                 raise BadRequest(f"{name}.{key} must be a non-empty list of schemas")
+            if key != "prefixItems" and len(s[key]) > MAX_SCHEMA_ALTERNATIVES:
+                raise BadRequest(f"{name}.{key}: at most {MAX_SCHEMA_ALTERNATIVES} schemas "
+                                 f"(what the grammar engine follows), got {len(s[key])}")
             for j, sub in enumerate(s[key]):
                 _schema_keywords(f"{name}.{key}[{j}]", sub)
+
+
+def _exact_numbers(name: str, v) -> None:
+    """Numbers in a schema must be ones the grammar engine holds exactly: integers within
+    +-2**53 (it reads numbers as doubles), and any number within the same bound when it
+    is a limit (minimum: 12345678901234567890 would let it write 9223372036854775807)."""
+    if isinstance(v, dict):
+        for k, item in v.items():
+            _exact_numbers(f"{name}.{k}", item)
+    elif isinstance(v, list):
+        for j, item in enumerate(v):
+            _exact_numbers(f"{name}[{j}]", item)
+    elif isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > MAX_SCHEMA_INT:
+        raise BadRequest(f"{name}: {_QUOTE.repr(v)} is beyond +-2**53, which the grammar "
+                         f"engine cannot enforce exactly")
+
+
+def _pattern(name: str, v) -> None:
+    if not isinstance(v, str):
+        raise BadRequest(f"{name} must be a string (a regex), got {_QUOTE.repr(v)}")
+    size = _regex_size(v)
+    if size > MAX_PATTERN_SIZE:
+        raise BadRequest(f"{name}: the regex spans {size} characters once its counted "
+                         f"repetitions are expanded; at most {MAX_PATTERN_SIZE}")
+
+
+_COUNT = re.compile(r"\{(\d+)(,(\d*))?\}")
+
+
+def _regex_size(pattern: str) -> int:
+    """An upper bound of the characters a regex's expansion spells out: each atom counts 1,
+    a group the sum of its content, a counted repetition {n}, {n,}, {n,m} multiplies its
+    atom by its largest count (n + 1 for {n,}), * + ? count once."""
+    stack = [[0, 0]]                      # per open group: [sum of the atoms before, last atom]
+    i = 0
+    while i < len(pattern):
+        c, atom = pattern[i], 1
+        if c == "\\":
+            i += 2
+        elif c == "[":                    # a class: up to its closing ] (not escaped, not first)
+            i += 2 if pattern[i + 1:i + 2] == "^" else 1
+            i += 1 if pattern[i:i + 1] == "]" else 0
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        elif c == "(":
+            stack.append([0, 0])
+            i += 1
+            continue
+        elif c == ")" and len(stack) > 1:
+            total, last = stack.pop()
+            atom = total + last
+            i += 1
+        elif c == "{" and _COUNT.match(pattern, i):
+            m = _COUNT.match(pattern, i)
+            count = int(m.group(3)) if m.group(3) else int(m.group(1)) + (1 if m.group(2) else 0)
+            stack[-1][1] *= max(count, 1)
+            i = m.end()
+            continue
+        elif c in "*+?|^$":
+            i += 1
+            continue
+        else:
+            i += 1
+        top = stack[-1]
+        top[0], top[1] = top[0] + top[1], atom
+    while len(stack) > 1:                 # unclosed groups: the engine refuses the regex itself
+        total, last = stack.pop()
+        stack[-1][1] += total + last
+    return sum(stack[0])
 
 
 def _response_format(v) -> Optional[dict]:

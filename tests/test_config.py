@@ -1,6 +1,8 @@
 """kestreld.service.config: priorities (argv > env > file > defaults), parsing, validation."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kestreld import protocol
@@ -95,6 +97,26 @@ def test_mmproj_from_argv_env_and_file(tmp_path):
     empty = tmp_path / "empty.conf"
     empty.write_text("")
     assert load_config(["--config", str(empty)], environ={}).mmproj is None
+
+
+def test_config_errors_name_the_file_and_line(tmp_path):
+    conf = tmp_path / "k.conf"
+    conf.write_text("# comment\nmax-seq = 4096\nmax-queue = lots\n")
+    with pytest.raises(ValueError, match=r"k\.conf:3: max-queue: invalid literal"):
+        load_config(["--config", str(conf)], environ={})
+    conf.write_text("max-queue = 4\n\nmax-seq = 0\n")
+    with pytest.raises(ValueError, match=r"k\.conf:3: max-seq must be >= 1"):
+        load_config(["--config", str(conf)], environ={})
+    # set on the command line, the value is not the file's
+    with pytest.raises(ValueError, match=r"^max-seq must be >= 1"):
+        load_config(["--config", os.devnull, "--max-seq", "0"], environ={})
+
+
+def test_a_fifo_as_config_file_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "fifo.conf"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_config(["--config", str(fifo)], environ={})
 
 
 def test_alias_from_argv_and_file_adds_up(tmp_path):

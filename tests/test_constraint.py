@@ -237,6 +237,34 @@ def test_schemas_the_engine_cannot_use_are_bad_requests(vocab):
             Constraint(vocab, answer_grammar(schema_format(schema), None, None))
 
 
+CYCLES = {"self": {"$ref": "#"},
+          "two": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                  "$ref": "#/$defs/a"},
+          "allOf": {"$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"},
+          "anyOf": {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}}
+
+
+@pytest.mark.parametrize("schema", CYCLES.values(), ids=CYCLES.keys())
+def test_cycles_with_no_way_out_are_refused_before_the_prefill(vocab, schema):
+    """Refused when the constraint is built (before any prefill), shortly, no state dump."""
+    with pytest.raises(BadRequest, match="allows no answer") as e:
+        Constraint(vocab, answer_grammar(schema_format(schema), None, None))
+    assert len(str(e.value)) < 300 and "<state>" not in str(e.value)
+
+
+def test_engine_limits_mid_answer_are_short_bad_requests(vocab, smollm2):
+    """3,000 object branches pass the compile but outgrow the parser at the first
+    character (the protocol refuses so many anyOf branches before this)."""
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                         "required": [f"k{i}"]} for i in range(3000)]}
+    c = Constraint(vocab, answer_grammar(schema_format(schema), None, None))
+    zeros = np.zeros(vocab.n_vocab, dtype=np.float32)
+    with pytest.raises(BadRequest, match="beyond the grammar engine's limits") as e:
+        for _ in range(4):
+            c.commit(int(np.flatnonzero(np.isfinite(c.mask(zeros)))[-1]))
+    assert len(str(e.value)) < 1000 and "<state>" not in str(e.value)
+
+
 # ---------------------------------------------------------------- generation
 
 def _valid(completion, schema) -> None:

@@ -263,7 +263,10 @@ def test_engine_out_of_memory_mid_request_is_internal_and_the_arena_stays_sound(
 
 def test_extreme_but_valid_sampling_values_are_not_internal_errors(daemon):
     with daemon.client() as c:
-        for opts in ({"temperature": 5e-324}, {"temperature": 0.7, "repeat_penalty": 1e-39}):
+        for opts in ({"temperature": 5e-324}, {"temperature": 0.7, "repeat_penalty": 1e-39},
+                     {"temperature": 0.8, "repeat_penalty": 1e-308},
+                     {"temperature": 0.8, "repeat_penalty": 5e-324},
+                     {"temperature": 0.8, "repeat_penalty": 1.7e308}):
             r = c.generate(prompt=SHORT, max_tokens=2, seed=1, **opts)
             assert len(r.ids) == 2
 

@@ -299,10 +299,14 @@ def test_chat_errors(http, body, code, param, needle):
 
 
 def test_errors_in_openai_shape(http):
+    js = {"Content-Type": "application/json"}
     assert "not valid JSON" in assert_error(
-        http.post("/v1/chat/completions", content=b"{nope"), 400, "bad_request")["message"]
-    assert_error(http.post("/v1/chat/completions", content=b"\xff\xfe"), 400, "bad_request")
-    assert_error(http.post("/v1/chat/completions", content=b"[" * 60000), 400, "bad_request")
+        http.post("/v1/chat/completions", content=b"{nope", headers=js), 400,
+        "bad_request")["message"]
+    assert_error(http.post("/v1/chat/completions", content=b"\xff\xfe", headers=js), 400,
+                 "bad_request")
+    assert_error(http.post("/v1/chat/completions", content=b"[" * 60000, headers=js), 400,
+                 "bad_request")
     assert_error(http.post("/v1/chat/completions", json=[1, 2]), 400, "bad_request")
     assert_error(http.post("/v1/completions", json={"prompt": ["a", "b"]}), 400, "bad_request", "prompt")
     assert_error(http.post("/v1/completions", json={"prompt": "a", "echo": True}), 400, "bad_request", "echo")
@@ -328,7 +332,9 @@ def test_a_stream_that_fails_before_its_first_token_is_a_json_error(http):
 def test_host_header_must_be_loopback(daemon, http):
     """DNS rebinding: a page of evil.example that resolves to 127.0.0.1 sends its own Host."""
     port = daemon.http_url.rsplit(":", 1)[1]
-    for host in ("evil.example", f"evil.example:{port}", "10.0.0.1", "localhost.evil.example"):
+    for host in ("evil.example", f"evil.example:{port}", "10.0.0.1", "localhost.evil.example",
+                 "[::1]evil.example", "localhost:1@evil.example", "[::1]:1@evil.example",
+                 "127.0.0.1 evil.example", "localhost:", "[::1"):
         assert_error(http.get("/health", headers={"Host": host}), 403, "permission_denied")
     for host in (f"localhost:{port}", "127.0.0.1", f"[::1]:{port}", "LOCALHOST"):
         assert http.get("/health", headers={"Host": host}).status_code == 200, host
@@ -346,11 +352,42 @@ def test_unix_socket_listener(daemon):
 
 
 def test_no_cors_unless_configured(http):
-    r = http.get("/health", headers={"Origin": "http://evil.example"})
+    port = http.base_url.port
+    r = http.get("/health", headers={"Origin": f"http://localhost:{port}"})
     assert r.status_code == 200 and not any(h.startswith("access-control") for h in r.headers)
     assert_error(http.options("/v1/chat/completions", headers={
-        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}),
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}),
         405, "method_not_allowed")
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1.evil.example",
+                                    "http://localhost:1@evil.example", "file://"])
+def test_pages_of_other_origins_are_refused(http, origin):
+    """CSRF: a page elsewhere makes the browser POST a text/plain or form body (no
+    preflight) with its Origin; it is refused before any work, and so is its preflight."""
+    for headers, body in (({"Content-Type": "text/plain"}, json.dumps({"messages": QUESTION})),
+                          ({"Content-Type": "application/x-www-form-urlencoded"}, "a=b")):
+        r = http.post("/v1/chat/completions", content=body, headers={**headers, "Origin": origin})
+        assert_error(r, 403, "permission_denied")
+        assert "is not allowed" in r.json()["error"]["message"]
+    assert_error(http.get("/v1/models", headers={"Origin": origin}), 403, "permission_denied")
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", None])
+def test_bodies_must_be_declared_json(daemon, content_type):
+    """What a page may send without a preflight is refused even without an Origin
+    (415), and no work is done; application/json (with a charset) is served."""
+    host, port = daemon.http_url[len("http://"):].rsplit(":", 1)
+    body = json.dumps({"messages": QUESTION, "max_tokens": 2}).encode()
+    head = b"" if content_type is None else b"Content-Type: %s\r\n" % content_type.encode()
+    reply = _raw(daemon, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n" + head
+                 + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    assert reply.startswith(b"HTTP/1.1 415") and b'"unsupported_media_type"' in reply, reply[:300]
+    with httpx.Client(base_url=daemon.http_url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", content=body,
+                      headers={"Content-Type": "application/json; charset=utf-8"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_api_key_and_cors(tmp_path):
@@ -475,10 +512,12 @@ def test_hostile_http_leaves_the_daemon_serving(daemon, http):
     # garbage, a bad request line, a bad chunked body
     assert b" 400 " in _raw(daemon, b"\x16\x03\x01\x02\x00hello\r\n\r\n").split(b"\r\n")[0]
     bad_chunk = _raw(daemon, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                             b"Content-Type: application/json\r\n"
                              b"Transfer-Encoding: chunked\r\n\r\nzz\r\nxx\r\n0\r\n\r\n")
     assert b" 400 " in bad_chunk.split(b"\r\n")[0], bad_chunk[:100]
     # a body that lies about its size and a Content-Length beyond the limit
     over = _raw(daemon, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                        b"Content-Type: application/json\r\n"
                         b"Content-Length: 99999999\r\n\r\n" + b"x" * 70000)
     assert over.startswith(b"HTTP/1.1 413") and b'"too_large"' in over, over[:300]
     assert_serving(http)

@@ -341,6 +341,7 @@ def test_tokenize_detokenize_props_slots_apply_template(daemon, client, http):
 
 # ---------------------------------------------------------------- hostile inputs
 
+JSON = {"Content-Type": "application/json"}     # a body of any other type is refused (CSRF)
 POSTS = ["/api/chat", "/api/generate", "/api/show", "/api/pull", "/completion", "/tokenize",
          "/detokenize", "/apply-template"]
 
@@ -379,7 +380,7 @@ def test_hostile_bodies_get_a_clear_4xx(daemon, http, path):
     for number in ("Infinity", "NaN", "1e400", "-1e400"):      # JSON that Python reads
         if path in numbers:
             raw = json.dumps(numbers[path]).replace('"N"', number)
-            r = http.post(path, content=raw.encode())
+            r = http.post(path, content=raw.encode(), headers=JSON)
             assert r.status_code == 400 and message(r), (raw, r.text)
     if path == "/completion":
         cases.append(dict(good, n_predict=[1], samplers="x" * 100, grammar="root ::= x"))
@@ -389,7 +390,7 @@ def test_hostile_bodies_get_a_clear_4xx(daemon, http, path):
         r = http.post(path, json=body)
         assert r.status_code == 400, (body, r.text)
         assert message(r)
-    r = http.post(path, content=b"x" * (MAX_MESSAGE + 1))
+    r = http.post(path, content=b"x" * (MAX_MESSAGE + 1), headers=JSON)
     assert r.status_code == 413 and "max-message-bytes" in message(r)
     assert_idle_and_serving(daemon)
 

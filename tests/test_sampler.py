@@ -19,6 +19,17 @@ def test_repeat_penalty_llama_rule():
     assert lg[0] == 4.0                       # input untouched
 
 
+def test_a_tiny_repeat_penalty_pushes_repeats_up_without_nan():
+    """5e-324 divides a positive logit past float64's range: capped, the sampler still
+    draws, and only the repeated ids (now far ahead) can be drawn."""
+    lg = np.array([4.0, 2.0, 3.0, -1.0], dtype=np.float32)
+    for p in (1e-308, 5e-324):
+        s = Sampler(SamplingOptions(repeat_penalty=p, temperature=0.8, seed=1))
+        out = s.penalize(lg, [0, 1], [])
+        assert np.isfinite(out).all() and out[0] == out[1] == np.finfo(np.float64).max
+        assert {s.choose(out) for _ in range(50)} <= {0, 1}
+
+
 def test_top_k_1_is_greedy_and_seed_repeats():
     lg = np.random.default_rng(0).normal(size=500).astype(np.float32)
     assert Sampler(SamplingOptions(temperature=1.0, top_k=1, seed=3)).choose(lg) == int(np.argmax(lg))

@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
-from ..errors import BadRequest, InternalError
+from ..errors import BadRequest
 from ..text.tools import CLOSE as CALL_CLOSE
 from ..text.tools import OPEN as CALL_OPEN
 from ..text.tools import ToolUse
@@ -88,31 +88,57 @@ class Constraint:
     """One answer's grammar matcher (not thread-safe: the engine thread's)."""
 
     def __init__(self, vocab: GrammarVocabulary, grammar: str):
+        """Compile `grammar` and compute its first mask, so that a schema the engine cannot
+        follow (a $ref cycle with no way out, a limit of the engine) is refused before the
+        prompt's prefill: BadRequest."""
         self.n_vocab = vocab.n_vocab
         self.matcher = LLMatcher(vocab.lltok, grammar, log_level=0)   # compiles, GIL released
         if self.matcher.is_error():    # a client's schema the engine cannot use
             raise BadRequest(f"response_format / tools: the JSON schema cannot be used: "
-                             f"{self.matcher.get_error().strip()}")
+                             f"{_engine_error(self.matcher.get_error())}")
         self._bits = np.empty((vocab.n_vocab + 31) // 32, dtype=np.int32)
+        if self._allowed() is None:        # computed again at the first `mask` (about 1 ms)
+            raise BadRequest("response_format / tools: the JSON schema allows no answer "
+                             "(a $ref, allOf or anyOf cycle with no way out?)"
+                             + _engine_reason(self.matcher))
 
-    def mask(self, logits: np.ndarray) -> np.ndarray:
-        """A copy of `logits` (vocab,) with -inf on every token the grammar forbids now."""
+    def _allowed(self) -> Optional[np.ndarray]:
+        """The tokens allowed next (bools), None if none is."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         allowed = np.unpackbits(self._bits.view(np.uint8), count=self.n_vocab,
                                 bitorder="little").view(bool)
-        if self.matcher.is_error() or not allowed.any():
-            raise InternalError(f"the grammar allows no next token: {self.matcher.get_error()}")
+        return None if self.matcher.is_error() or not allowed.any() else allowed
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of `logits` (vocab,) with -inf on every token the grammar forbids now.
+        A schema whose grammar outgrows the engine's limits mid-answer: BadRequest."""
+        allowed = self._allowed()
+        if allowed is None:
+            raise BadRequest("response_format / tools: the JSON schema is beyond the grammar "
+                             "engine's limits here" + _engine_reason(self.matcher))
         return np.where(allowed, logits, -np.inf)
 
     def commit(self, token: int) -> None:
         """Advance the grammar by the chosen token (one that `mask` allowed)."""
         if not self.matcher.consume_token(token):
-            raise InternalError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise BadRequest("response_format / tools: the JSON schema is beyond the grammar "
+                             "engine's limits here" + _engine_reason(self.matcher))
 
     @property
     def finished(self) -> bool:
         """The grammar is complete: nothing but the end may follow."""
         return self.matcher.is_stopped()
+
+
+def _engine_error(text: str) -> str:
+    """The first line of llguidance's message, cut short: never its state dump or the
+    grammar (tens of kilobytes for a large schema)."""
+    line = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    return line[:200] + ("..." if len(line) > 200 else "")
+
+
+def _engine_reason(matcher) -> str:
+    return f": {_engine_error(matcher.get_error())}" if matcher.is_error() else ""
 
 
 # ---------------------------------------------------------------- grammars

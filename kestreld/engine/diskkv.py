@@ -183,7 +183,7 @@ class DiskKV:
             self._scan()
         except OSError as e:
             os.close(self._dir_fd)
-            raise StartupError(f"--disk-kv {self.directory}: cannot read it: {e}") from None
+            raise StartupError(f"--disk-kv {self.directory}: cannot use it: {e}") from None
         self._queue: queue.Queue = queue.Queue(WRITE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="kestrel-disk-kv", daemon=True)
         self._writer.start()

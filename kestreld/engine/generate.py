@@ -223,6 +223,7 @@ class Engine:
         self.speculate = speculate  # drafts from the context (speculate.py), unless a request says not
         self.drafted = 0            # tokens drafted and accepted, over the process' life
         self.accepted = 0
+        self.disk_kv_error: Optional[str] = None  # why --disk-kv's directory is not used
         self._grammar_vocab: Optional[GrammarVocabulary] = None   # at the first grammar
         # embeddings: pooled as --pooling says, else as the file says ("": it does not embed)
         self.embedder = Embedder(self.forward, self.prompts, pooling or model.config.pooling,

@@ -3,7 +3,8 @@
     TextInput(text=...)  tokenized with the model's special tokens (BOS where it wants one)
     TextInput(ids=...)   the ids as given
     ChatInput(messages)  rendered with the model's own chat template (whose text holds its
-                         special tokens), tokenized; image parts decoded, preprocessed and
+                         special tokens), tokenized with the client's text as text
+                         (text/control.py); image parts decoded, preprocessed and
                          their placeholders widened to the image's tokens (Qwen3-VL);
                          tools rendered by the template too (text/tools.py)
 
@@ -13,11 +14,12 @@ answer is read: its thinking block, its tool calls.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from ..errors import BadRequest, PromptTooLong
 from ..text.chat import ChatTemplate
+from ..text.control import ControlGuard
 from ..text.reasoning import opens_thinking
 from ..text.tools import ToolUse, template_messages
 from ..vision.images import decode_image, preprocess, read_image_part
@@ -104,10 +106,13 @@ class PromptBuilder:
         """Token ids of `text`. A text that cannot fit in max_seq tokens (each token covers
         at most max_token_bytes bytes) is refused before tokenizing, which would cost
         hundreds of bytes of memory per token."""
+        self._check_length(text)
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def _check_length(self, text: str) -> None:
         if len(text) > self.max_text_chars:
             raise PromptTooLong(f"a text of {len(text)} characters cannot fit in max_seq="
                                 f"{self.max_seq} tokens (at most {self.max_text_chars})")
-        return self.tokenizer.encode(text, add_special=add_special)
 
     def render_chat(self, messages, enable_thinking: bool = False,
                     tools: Optional[ToolUse] = None) -> str:
@@ -128,21 +133,29 @@ class PromptBuilder:
             return Prompt(list(request.ids))
         return Prompt(self.tokenize(request.text, add_special=True))
 
-    def chat_text(self, request: ChatInput) -> tuple[str, list]:
+    def chat_text(self, request: ChatInput,
+                  guard: Optional[ControlGuard] = None) -> tuple[str, list]:
         """The prompt text of a conversation (images as their placeholders), and its
-        image parts; BadRequest for images to a model without a vision encoder."""
+        image parts; BadRequest for images to a model without a vision encoder. With
+        `guard`, the client's control-token texts are its placeholders (text/control.py)."""
         rendered, parts = chat_images([_flatten_text(m) for m in request.messages])
         if parts and self.model.vision is None:
             hint = (" (a Qwen3-VL text GGUF: start kestreld with --mmproj FILE for its vision "
                     "encoder)" if self.model.config.arch == "qwen3vl" else "")
             raise BadRequest(f"the model {self.model.config.name} takes no images{hint}")
-        return self.render_chat(rendered, request.enable_thinking, request.tool_use()), parts
+        tools = request.tool_use()
+        if guard is not None:
+            rendered = guard.hide(rendered)
+            tools = None if tools is None else replace(tools, tools=guard.hide(tools.tools))
+        return self.render_chat(rendered, request.enable_thinking, tools), parts
 
     def _chat(self, request: ChatInput) -> Prompt:
-        text, parts = self.chat_text(request)
+        guard = ControlGuard(self.tokenizer)       # the client's text stays text
+        text, parts = self.chat_text(request, guard)
         vision = self.model.vision
         tools = request.tool_use()
-        ids = self.tokenize(text)
+        self._check_length(guard.restore(text))
+        ids = guard.encode(text)
         thinking = True if opens_thinking(text) else (False if request.enable_thinking else None)
         answer = dict(thinking=thinking, split_reasoning=request.split_reasoning, tools=tools)
         if not parts:

@@ -109,7 +109,7 @@ class Sampler:
             recent = list(prompt_ids[max(0, len(prompt_ids) - (REPEAT_WINDOW - len(recent))):]) + recent
         if not recent:
             return logits
-        out = logits.astype(np.float64)    # float64: a tiny penalty must not overflow to inf
+        out = logits.astype(np.float64)
         ids = np.unique(np.asarray(recent, dtype=np.int64))
         vals = out[ids]
         with np.errstate(over="ignore"):      # a denormal penalty: capped, never inf (inf - inf)

@@ -10,6 +10,7 @@ import argparse
 import glob
 import ipaddress
 import os
+import stat
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Sequence
 
@@ -17,6 +18,7 @@ from ..model.config import POOLINGS, RANK
 from ..protocol import DEFAULT_SOCKET  # one definition, shared with kestrelctl
 
 DEFAULT_CONFIG_FILE = "/etc/kestrel/kestreld.conf"
+MAX_CONFIG_BYTES = 1 << 20
 
 
 SYSFS_CPU = "/sys/devices/system/cpu"
@@ -102,6 +104,8 @@ class Config:
     max_tokens: int = 256                # default max_tokens of a request
     max_outgoing_bytes: int = 1 << 20    # unsent replies per connection before its requests are cancelled
     shutdown_grace: int = 10             # seconds the running request may finish on SIGTERM
+    idle_timeout: int = 120              # seconds an idle connection (or a stalled reader) is kept
+    max_connections: int = 256           # open connections per transport (RPC socket, HTTP API)
     prompt: Optional[str] = None         # one-shot mode: generate, print, exit
     log_level: str = "info"
     debug: bool = False                  # tracebacks on fatal errors
@@ -121,7 +125,8 @@ class Config:
 
     def __post_init__(self):
         for name in ("max_seq", "prefix_min", "kv_bs", "prefill_chunk", "max_queue",
-                     "max_message_bytes", "max_tokens", "max_outgoing_bytes", "disk_kv_max_bytes"):
+                     "max_message_bytes", "max_tokens", "max_outgoing_bytes", "disk_kv_max_bytes",
+                     "idle_timeout", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.shutdown_grace < 0:
@@ -212,6 +217,13 @@ def _parser() -> argparse.ArgumentParser:
     a("--max-tokens", type=int, help="default max_tokens of a request (default 256)")
     a("--max-outgoing-bytes", type=int,
       help="unsent replies per connection before its requests are cancelled (default 1 MiB)")
+    a("--idle-timeout", type=int, metavar="S",
+      help="close a connection that sends nothing and reads nothing for S seconds while "
+      "none of its requests runs, and an HTTP stream whose client stops reading for S "
+      "seconds (default 120)")
+    a("--max-connections", type=int, metavar="N",
+      help="open connections allowed on the RPC socket, and on the HTTP API (default 256); "
+      "over it the RPC socket closes the connection idle the longest, HTTP answers 503")
     a("--shutdown-grace", type=int, help="seconds a running request may finish on SIGTERM (default 10)")
     a("--prompt", help="one-shot: generate a completion for TEXT, print it, exit")
     a("--log-level", choices=["debug", "info", "warning", "error"])
@@ -266,27 +278,52 @@ def _coerce(name: str, value: str):
     return value
 
 
-def read_config_file(path: str) -> dict:
+def read_config_file(path: str, lines: Optional[dict] = None) -> dict:
     """Parse `key = value` lines; keys are long option names (`max-seq`), and a switch that
-    turns something off stands alone (`no-prefix-kv`, `no-memory-check`, `no-interleave`)."""
+    turns something off stands alone (`no-prefix-kv`, `no-memory-check`, `no-interleave`).
+    Errors name the file and line; `lines`, if given, gets each field's line number.
+    Only a regular file is read (a FIFO would hang the start-up)."""
     known = {f.name for f in fields(Config)}
+    lines = {} if lines is None else lines
     out = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            key, sep, value = (s.strip() for s in line.partition("="))
-            name = key.replace("-", "_")
-            if name in _SWITCHES_OFF and not sep:
-                out[_SWITCHES_OFF[name]] = False
-                continue
-            if not sep or name not in known:
-                raise ValueError(f"{path}:{n}: expected `key = value` with a known key, got {line!r}")
+    for n, line in enumerate(_read_regular(path).splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, sep, value = (s.strip() for s in line.partition("="))
+        name = key.replace("-", "_")
+        if name in _SWITCHES_OFF and not sep:
+            out[_SWITCHES_OFF[name]] = False
+            lines[_SWITCHES_OFF[name]] = n
+            continue
+        if not sep or name not in known:
+            raise ValueError(f"{path}:{n}: expected `key = value` with a known key, got {line!r}")
+        try:
             value = _coerce(name, value)
-            # a list key may be given on several lines: they add up
-            out[name] = out.get(name, ()) + value if isinstance(value, tuple) else value
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {key}: {e}") from None
+        # a list key may be given on several lines: they add up
+        out[name] = out.get(name, ()) + value if isinstance(value, tuple) else value
+        lines[name] = n
     return out
+
+
+def _read_regular(path: str) -> str:
+    """The text of `path`, opened without blocking: a regular file, or a character device
+    such as /dev/null (no config); a FIFO or socket is refused, and more than
+    MAX_CONFIG_BYTES."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            raise ValueError(f"{path}: not a regular file (a config file must be one)")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> str:
@@ -307,13 +344,19 @@ def load_config(argv: Optional[Sequence[str]] = None,
     path = args.get("config_file") or environ.get("KESTREL_CONFIG")
     if path is None and os.path.exists(DEFAULT_CONFIG_FILE):
         path = DEFAULT_CONFIG_FILE
+    lines: dict = {}
     if path:
-        values.update(read_config_file(path))
+        values.update(read_config_file(path, lines))
         values["config_file"] = path
     values.setdefault("cache_dir", default_cache_dir(environ))
     for var, name in _ENV.items():
         if environ.get(var):
             values[name] = _coerce(name, environ[var])
-    values.update({k: tuple(v) if isinstance(v, list) else v
-                   for k, v in args.items() if v is not None})
-    return Config(**values)
+            lines.pop(name, None)          # the file's line no longer sets it
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if v is not None}
+    values.update(given)
+    try:
+        return Config(**values)
+    except ValueError as e:        # a value out of range: name its line if the file set it
+        named = [k for k in lines if k not in given and str(e).startswith(k.replace("_", "-"))]
+        raise ValueError(f"{path}:{lines[named[0]]}: {e}" if named else str(e)) from None

@@ -25,6 +25,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 import socket
 import time
 from typing import Optional
@@ -33,8 +34,10 @@ from aiohttp import web
 
 from ..errors import (BadRequest, KestrelError, Loading, MethodNotAllowed, ModelNotFound,
                       NotFound, PermissionDenied, PromptTooLong, ShuttingDown, StartupError,
-                      TooLarge, Unauthorized, internal)
+                      TooLarge, Unauthorized, UnsupportedMediaType,
+                      internal)
 from .config import Config, HttpAddress
+from .connlimit import Bounded, cut_stalled_readers
 from .methods import Methods, completion_result, nth_choice, token_payload
 from .embeddings import PATHS as EMBED_PATHS, EmbeddingRoutes
 from .metrics import CONTENT_TYPE, Metrics
@@ -47,6 +50,11 @@ from .server import bind_unix_socket, remove_own_socket
 
 log = logging.getLogger("kestreld.service.http")
 
+_BUSY_BODY = json.dumps({"error": {
+    "message": "too many connections open (max-connections); retry later",
+    "type": "unavailable_error", "param": None, "code": "too_many_connections"}}).encode()
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+         b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(_BUSY_BODY) + _BUSY_BODY)
 HTTP_CONN_ID = 0              # the scheduler's conn_id of HTTP jobs (RPC connections count from 1)
 SHUTDOWN_TIMEOUT_S = 2.0      # after the scheduler is drained: time for the last answers to go out
 # OpenAI's routes, under /v1 and also without it (a client given a base URL without /v1),
@@ -70,15 +78,44 @@ def read_api_key(path: str) -> str:
     return key
 
 
+# Host and Origin, strictly: a name or an [IPv6], then perhaps a port, and nothing else
+# (`[::1]evil.example` and `localhost:1@evil.example` name no loopback host).
+_HOST = re.compile(r"(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9.-]+))(?::[0-9]{1,5})?")
+_ORIGIN = re.compile(r"https?://(" + _HOST.pattern + ")")
+
+
 def _loopback_host(host: str) -> bool:
     """A Host header naming this machine's loopback: localhost, 127.0.0.0/8 or [::1]."""
-    name = host.rsplit("]", 1)[0].lstrip("[") if host.startswith("[") else host.rsplit(":", 1)[0]
+    m = _HOST.fullmatch(host)
+    if m is None:
+        return False
+    name = m.group(1) or m.group(2)
     if name.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+def _loopback_origin(origin: str) -> bool:
+    """An Origin of a page served from this machine's loopback (http(s), any port)."""
+    m = _ORIGIN.fullmatch(origin)
+    return m is not None and _loopback_host(m.group(1))
+
+
+def _loopback_socket(sock: socket.socket) -> bool:
+    """A Unix socket or one bound to a loopback address (0.0.0.0 and :: are not)."""
+    if sock.family == socket.AF_UNIX:
+        return True
+    return ipaddress.ip_address(sock.getsockname()[0].split("%")[0]).is_loopback
+
+
+def _json_content_type(content_type: str) -> bool:
+    """application/json or application/*+json (aiohttp gives the type without parameters)."""
+    kind = content_type.lower()
+    return kind == "application/json" or (kind.startswith("application/")
+                                          and kind.endswith("+json"))
 
 
 def _listening_socket(address: HttpAddress, cfg: Config) -> tuple[socket.socket, Optional[tuple]]:
@@ -108,6 +145,7 @@ class HttpApi:
         self.state = "loading"            # "loading" -> "ready" -> "stopping" -> "closed"
         self._next_msgid = 0
         self._own_sockets: list = []      # (path, identity) of Unix sockets we created
+        self._stall_watch: Optional[asyncio.Task] = None
         app = web.Application(client_max_size=cfg.max_message_bytes,
                               middlewares=[self._middleware])
         for prefix in OPENAI_PREFIXES:
@@ -121,9 +159,12 @@ class HttpApi:
         app.router.add_get("/metrics", self._metrics)
         NativeRoutes(self).add_to(app)           # Ollama's and llama.cpp's routes (native.py)
         app.on_response_prepare.append(self._cors)
-        # handler_cancellation: a closed connection cancels its handler (and so its job)
+        # handler_cancellation: a closed connection cancels its handler (and so its job);
+        # keepalive_timeout: aiohttp closes a connection waiting that long for a request
+        # (from its start too: one that never sends anything)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                                     keepalive_timeout=cfg.idle_timeout)
 
     # ------------------------------------------------------------ life cycle
 
@@ -140,9 +181,16 @@ class HttpApi:
                 sockets.append(sock)
         where = []
         for sock in sockets:
-            site = web.SockSite(self._runner, sock)
+            if self.api_key is None and not _loopback_socket(sock):
+                log.warning("the HTTP API on %s answers anyone who can reach it: no API key "
+                            "is set (--http-api-key-file)", sock.getsockname()[0])
+            site = _BoundedSite(self._runner, sock, self.cfg.max_connections)
             await site.start()
             where.append(site.name)
+        server = self._runner.server
+        self._stall_watch = asyncio.get_running_loop().create_task(cut_stalled_readers(
+            lambda: [h.transport for h in server.connections if h.transport is not None],
+            self.cfg.idle_timeout, "HTTP API"))
         return where
 
     def ready(self, methods: Methods, model_id: str) -> None:
@@ -166,6 +214,8 @@ class HttpApi:
         if self.state == "closed":
             return
         await self.stop_accepting()
+        if self._stall_watch is not None:
+            self._stall_watch.cancel()
         await self._runner.cleanup()
         self.state = "closed"
 
@@ -195,13 +245,14 @@ class HttpApi:
         return response
 
     def _check_access(self, request: web.Request) -> None:
-        """Host (DNS rebinding), then the API key."""
+        """Host (DNS rebinding), Origin and Content-Type (CSRF), then the API key."""
         sock = request.transport.get_extra_info("socket") if request.transport else None
         over_unix = sock is not None and sock.family == socket.AF_UNIX
         host = request.headers.get("Host")
         if not (self.cfg.http_allow_remote or over_unix or host is None or _loopback_host(host)):
             raise PermissionDenied(f"Host {host[:100]!r} is not a loopback name: the HTTP API "
                                    f"answers only localhost, 127.0.0.1 or [::1]")
+        self._check_browser(request)
         if self.api_key is None or request.method == "OPTIONS" or request.path == "/health":
             return
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
@@ -209,12 +260,34 @@ class HttpApi:
                                                                  self.api_key.encode()):
             raise Unauthorized("missing or wrong API key: send Authorization: Bearer KEY")
 
+    def _check_browser(self, request: web.Request) -> None:
+        """CSRF: any web page may make a browser send a request here (a form, or fetch
+        with a text/plain body: no preflight asked). So a request from a page (it carries
+        Origin) must come from a loopback page or an --http-cors-origin one, and a request
+        with a body must declare it JSON, which no page can do without a preflight."""
+        origin = request.headers.get("Origin")
+        if origin is not None and not (_loopback_origin(origin) or self._cors_listed(origin)):
+            raise PermissionDenied(f"Origin {origin[:100]!r} is not allowed: the HTTP API "
+                                   f"answers pages of loopback origins and --http-cors-origin")
+        if request.method in ("GET", "HEAD", "OPTIONS") or not (
+                request.method == "POST" or request.body_exists):
+            return
+        if request.match_info.http_exception is not None:    # no such route: 404 / 405
+            return
+        if not _json_content_type(request.content_type):
+            raise UnsupportedMediaType(
+                f"{request.method} {request.path[:100]}: the body must be sent as "
+                f"Content-Type: application/json, got {request.content_type[:100]!r}")
+
+    def _cors_listed(self, origin: str) -> bool:
+        allowed = self.cfg.http_cors_origin
+        return origin in allowed or "*" in allowed
+
     def _allowed_origin(self, request: web.Request) -> Optional[str]:
         origin = request.headers.get("Origin")
-        allowed = self.cfg.http_cors_origin
-        if origin is None or not allowed:
+        if origin is None or not self._cors_listed(origin):
             return None
-        return origin if origin in allowed or "*" in allowed else None
+        return origin
 
     def _preflight(self, request: web.Request) -> web.Response:
         if self._allowed_origin(request) is None:
@@ -391,6 +464,22 @@ async def _send(response: web.StreamResponse, answer, events: list) -> None:
         name = b"event: " + obj["type"].encode() + b"\n" if answer.EVENT_NAMES else b""
         await response.write(name + b"data: " + json.dumps(obj, ensure_ascii=False).encode()
                              + b"\n\n")
+
+
+class _BoundedSite(web.SockSite):
+    """aiohttp's SockSite, its connections bounded (connlimit.py): over max_connections,
+    a new one gets a 503 and is closed."""
+
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, limit: int):
+        super().__init__(runner, sock)
+        self._limit = limit
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        factory = Bounded(server, lambda: len(server.connections), self._limit,
+                          f"HTTP API {self.name}", reply=_BUSY)
+        self._server = await asyncio.get_running_loop().create_server(factory, sock=self._sock)
 
 
 def _from_http_exception(request: web.Request, e: web.HTTPException, limit: int) -> KestrelError:

@@ -29,10 +29,11 @@ from ..engine.prompt import TextInput
 from ..engine.kvcache import KVLayout
 from ..engine.kvstore import KVStore, MemoryKV, default_kv_memory
 from ..engine.sampler import SamplingOptions
-from ..errors import FatalError, InsufficientMemory
+from ..errors import FatalError, InsufficientMemory, StartupError
 from ..model.convert import default_model_path
 from ..model.load import load_model
 from .config import Config, load_config, performance_cores
+from .connlimit import raise_nofile_limit
 from .methods import Methods
 from .metrics import Metrics
 from .scheduler import Scheduler
@@ -176,6 +177,18 @@ class MemoryCheck:
         return fit
 
 
+def _open_disk_kv(cfg: Config, model) -> tuple[Optional[DiskKV], Optional[str]]:
+    """The --disk-kv store, or None and why: the disk tier is an optional cache, so a
+    directory that cannot be used (read-only after errors=remount-ro, unreadable, corrupt
+    beyond repair, locked by another daemon) leaves the daemon serving without it."""
+    try:
+        return DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
+                                cfg.prefix_min), None
+    except StartupError as e:
+        log.warning("%s; starting without the disk KV tier", e)
+        return None, str(e)
+
+
 def build_engine(cfg: Config, path: str, sharing: Optional[CoreSharing] = None) -> Engine:
     """Load the model (after checking it fits the memory available) and allocate the KV
     arena (once, for max_seq tokens); make the KV store (memory tier, --disk-kv). With
@@ -187,9 +200,9 @@ def build_engine(cfg: Config, path: str, sharing: Optional[CoreSharing] = None) 
                        interleave=cfg.interleave)
     layout = KVLayout.of(model.config, cfg.max_seq)
     memory = MemoryKV(check.kv_memory, layout, cfg.prefix_min) if check.kv_memory else None
-    disk = (DiskKV.for_model(cfg.disk_kv, cfg.disk_kv_max_bytes, model, cfg.max_seq,
-                             cfg.prefix_min) if cfg.disk_kv else None)
+    disk, disk_kv_error = _open_disk_kv(cfg, model) if cfg.disk_kv else (None, None)
     engine = Engine.from_config(model, cfg, store=KVStore(memory, disk))
+    engine.disk_kv_error = disk_kv_error
     c, kv = model.config, engine.kv
     log.info("model %s: %s %s, %d layers, %d params, weights %s (%s) in %.1f s",
              path, c.arch, c.name, c.n_layers, c.n_params, weights_line(model),
@@ -235,6 +248,7 @@ async def serve(cfg: Config, path: str, rpc_socket: Optional[socket.socket] = No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics = Metrics()
+    raise_nofile_limit(cfg.max_connections * (2 if cfg.http or http_sockets else 1))
     http = None
     if cfg.http or http_sockets:
         # imported here: aiohttp is the largest of the daemon's imports (in time and memory),
@@ -267,7 +281,7 @@ async def _serve_engine(cfg: Config, engine, path: str, stop: asyncio.Event, met
     scheduler = Scheduler(engine, loop, cfg.max_queue, on_finish=metrics.finished)
     reporter = StatusReporter(engine, scheduler, cfg)
     metrics.attach(reporter)
-    methods = Methods(engine, scheduler, reporter, cfg.max_tokens)
+    methods = Methods(engine, scheduler, reporter, cfg.max_tokens, cfg.max_outgoing_bytes)
     server = Server(cfg, methods)
     where = await server.start(rpc_socket)
     scheduler.start()

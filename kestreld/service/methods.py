@@ -30,6 +30,7 @@ from ..engine.rerank import Ranking, RerankInput
 from ..engine.generate import Completion, TokenEvent
 from ..engine.prompt import ChatInput, Request, TextInput
 from ..engine.sampler import ResponseFormat, SamplingOptions
+from ..errors import TooLarge
 from ..protocol import (SEED_LIMIT, ChatParams, DetokenizeParams, EmbedParams, GenerateParams,
                         Params, RerankParams, TokenizeParams, CancelParams, validate_params)
 from .scheduler import Done, Event, Job, Scheduler
@@ -142,11 +143,13 @@ def _optional(answer) -> dict:
 class Methods:
     """The methods of one daemon: its engine, scheduler, status and default max_tokens."""
 
-    def __init__(self, engine, scheduler: Scheduler, status: StatusReporter, max_tokens: int):
+    def __init__(self, engine, scheduler: Scheduler, status: StatusReporter, max_tokens: int,
+                 max_reply_bytes: int = 1 << 20):
         self.engine = engine
         self.scheduler = scheduler
         self.status = status
         self.max_tokens = max_tokens
+        self.max_reply_bytes = max_reply_bytes   # the largest detokenize text (max_outgoing_bytes)
 
     @staticmethod
     def kind(method: str) -> str:
@@ -184,6 +187,13 @@ class Methods:
         """tokenize / detokenize: no KV touched, safe off the engine thread."""
         if isinstance(params, TokenizeParams):
             return {"ids": list(self.engine.tokenize(params.text, add_special=params.add_special))}
+        # a token is one id in the request and up to dozens of bytes of text: without a
+        # bound, 8 MiB of one repeated id made a 226 MB reply
+        size = self.engine.tokenizer.decoded_size(params.ids)
+        if size > self.max_reply_bytes:
+            raise TooLarge(f"detokenize: the text of these {len(params.ids)} ids is {size} "
+                           f"bytes, over the reply limit of {self.max_reply_bytes} bytes "
+                           f"(max-outgoing-bytes); send fewer ids at a time")
         return {"text": self.engine.detokenize(list(params.ids))}
 
     def chat_prompt(self, params: ChatParams) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..errors import BadRequest, KestrelError, ModelNotFound
-from ..protocol import MAX_LOGPROBS
+from ..protocol import MAX_LOGPROBS, MAX_MESSAGES
 
 OWNED_BY = "kestrel"
 MAX_CHOICES = 16              # `n`: choices of one request (each one a job after the first)
@@ -194,6 +194,9 @@ def _content(content, where: str):
 def messages_of(messages) -> list:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty array of {role, content} objects",
+                         param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"messages: at most {MAX_MESSAGES}, got {len(messages)}",
                          param="messages")
     out = []
     for i, m in enumerate(messages):
@@ -446,8 +449,8 @@ def model(model_id: str, created: int) -> dict:
 # OpenAI's error types by HTTP status
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error",
-                499: "invalid_request_error", 503: "unavailable_error"}
+                413: "invalid_request_error", 415: "invalid_request_error",
+                429: "rate_limit_error", 499: "invalid_request_error", 503: "unavailable_error"}
 
 
 def error_body(error: KestrelError) -> dict:

@@ -18,12 +18,14 @@ import os
 import socket
 import stat
 import struct
+import time
 from typing import Callable, Optional
 
 from ..errors import BadRequest, KestrelError, StartupError, internal
 from ..protocol import (PROGRESS, TOKEN, FrameError, FrameReader, Request, decode_message,
                         encode_notification, encode_response, msgid_of)
 from .config import Config
+from .connlimit import Bounded
 from .methods import ASIDE, JOB, Methods, job_result, token_payload
 from .scheduler import Done, Failed, Progress, Token
 
@@ -116,6 +118,8 @@ class Connection(asyncio.Protocol):
         self.write_paused = False       # transport over its high-water mark (max_outgoing_bytes)
         self.aside = 0                  # tokenize/detokenize answers being computed
         self.reading = True
+        self.last_active = time.monotonic()   # data received, or the peer reading again
+        self._idle: Optional[asyncio.TimerHandle] = None
 
     # asyncio callbacks ------------------------------------------------------
 
@@ -131,9 +135,29 @@ class Connection(asyncio.Protocol):
             pass
         self.server.connections[self.id] = self
         log.debug("connection %d from pid=%d uid=%d gid=%d", self.id, *self.peer)
+        self._idle = asyncio.get_running_loop().call_later(self.server.config.idle_timeout,
+                                                            self._check_idle)
+
+    def _check_idle(self) -> None:
+        """Close the connection once it has been idle for idle_timeout: no request running
+        and nothing received, nor its replies read. An idle client holds a descriptor; a
+        thousand of them exhausted RLIMIT_NOFILE."""
+        now = time.monotonic()
+        if self.jobs or self.aside:
+            self.last_active = now
+        deadline = self.last_active + self.server.config.idle_timeout
+        if now < deadline:
+            self._idle = asyncio.get_running_loop().call_later(deadline - now, self._check_idle)
+            return
+        log.info("connection %d idle for %d s: closing it", self.id,
+                 self.server.config.idle_timeout)
+        self.closed = True
+        self.transport.abort()           # its unread replies, if any, are dropped
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self._idle is not None:
+            self._idle.cancel()
         self.pending.clear()
         self.server.connections.pop(self.id, None)
         if self.jobs:
@@ -143,6 +167,7 @@ class Connection(asyncio.Protocol):
             self.jobs.clear()
 
     def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
         view = memoryview(data)
         step = self.reader.max_chunk
         for i in range(0, len(view), step):
@@ -156,6 +181,7 @@ class Connection(asyncio.Protocol):
         self._drain()
 
     def resume_writing(self) -> None:
+        self.last_active = time.monotonic()
         self.write_paused = False
         self._drain()
 
@@ -307,8 +333,26 @@ class Server:
             self._own_socket = (self.config.socket, identity)
             where = self.config.socket
         loop = asyncio.get_running_loop()
-        self._aserver = await loop.create_unix_server(self._new_connection, sock=sock)
+        # about max_connections: a burst accepted at once may pass it by the listen backlog
+        factory = Bounded(self._new_connection,
+                          lambda: sum(not c.closed for c in self.connections.values()),
+                          self.config.max_connections, "RPC socket", evict=self._evict_idlest)
+        self._aserver = await loop.create_unix_server(factory, sock=sock)
         return where
+
+    def _evict_idlest(self) -> bool:
+        """At max_connections: close the connection idle the longest (none of its requests
+        running), so that a flood of idle connections cannot lock out a new client.
+        False if every connection is busy."""
+        idle = [c for c in self.connections.values() if not (c.closed or c.jobs or c.aside)]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.last_active)
+        log.info("connection %d closed: idle the longest at max-connections (%d)", oldest.id,
+                 self.config.max_connections)
+        oldest.closed = True
+        oldest.transport.abort()
+        return True
 
     def stop_accepting(self) -> None:
         """Close the listening socket and remove our socket file (never systemd's)."""

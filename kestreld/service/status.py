@@ -61,6 +61,13 @@ class StatusReporter:
         """The daemon's resident memory."""
         return self._process.memory_info().rss
 
+    def _disk_kv(self, stats: dict) -> dict:
+        """The disk tier's figures; off because --disk-kv's directory is unusable: why."""
+        if not stats["enabled"] and self._engine.disk_kv_error is not None:
+            return {"enabled": False, "dir": self._config.disk_kv,
+                    "error": self._engine.disk_kv_error}
+        return stats
+
     def status(self) -> dict:
         eng, kv = self._engine, self._engine.kv
         engine_stats = eng.stats()
@@ -81,7 +88,7 @@ class StatusReporter:
             "prefix": dict(engine_stats["prefix"]),
             "speculation": dict(engine_stats["speculation"]),
             "kv_memory": engine_stats["kv_store"]["memory"],
-            "disk_kv": engine_stats["kv_store"]["disk"],
+            "disk_kv": self._disk_kv(engine_stats["kv_store"]["disk"]),
             "experts_copied_bytes": eng.model.weights.expert_copies_bytes(),
             "rss_mb": round(self.rss_bytes() / 2**20, 1),
             "mem_avail_mb": round(psutil.virtual_memory().available / 2**20, 1),

@@ -14,10 +14,12 @@ engine renders chat templates to text and encodes the result.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import os
 from typing import Any, Iterable, Mapping, Optional
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -110,6 +112,7 @@ class Tokenizer:
                  control_ids: Iterable[int] = (), suffix_ids: Iterable[int] = ()):
         self._tok = tok
         self._token_bytes = token_bytes    # id -> the bytes that token decodes to
+        self._token_sizes = np.array([len(b) for b in token_bytes], dtype=np.int64)
         # control tokens (<|im_end|>, ...) and unused padding ids: not text, a grammar must
         # not spell them (other added tokens, e.g. Qwen3's <tool_call>, are text that is one token)
         self.control_ids = frozenset(control_ids)
@@ -120,6 +123,8 @@ class Tokenizer:
         # what the file's post-processor appends to one text (Qwen3-Embedding: <|endoftext|>,
         # where its vector is pooled); only embeddings add it (a prompt must not end there)
         self.suffix_ids = tuple(suffix_ids)
+        self.control_texts = tuple(t.content for i, t in tok.get_added_tokens_decoder().items()
+                                   if t.special and i in self.control_ids)
 
     # ---- construction -----------------------------------------------------------------
 
@@ -193,8 +198,11 @@ class Tokenizer:
         tok.decoder = decoders.ByteLevel()
         added = {i: tokens[i] for i, t in enumerate(types)
                  if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)}
-        tok.add_special_tokens([AddedToken(text, special=True, normalized=False)
-                                for text in added.values()])
+        # control tokens are special (never text); user-defined ones are text one token long
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(types) if t == _TOKEN_TYPE_CONTROL])
+        tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == _TOKEN_TYPE_USER_DEFINED])
 
         bos_id = get("tokenizer.ggml.bos_token_id")
         eog = {get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id")}
@@ -223,6 +231,20 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_text(self, text: str) -> list:
+        """Token ids of `text` read as text: a control token's text in it (`<|im_end|>`)
+        is tokenized as the characters it is made of."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _plain(self) -> HFTokenizer:
+        """The same tokenizer with control tokens read as text; other added tokens (Qwen3's
+        <think>, <tool_call>) still match, being text themselves. Made when a client's
+        text first holds a control token's spelling (two threads may both make one)."""
+        plain = HFTokenizer.from_str(self._tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, special tokens included; invalid UTF-8 becomes U+FFFD."""
         return self.token_bytes(ids).decode("utf-8", errors="replace")
@@ -231,6 +253,10 @@ class Tokenizer:
         """The raw bytes of `ids`, concatenated."""
         table = self._token_bytes
         return b"".join(table[i] for i in ids)
+
+    def decoded_size(self, ids: Iterable[int]) -> int:
+        """Bytes that `token_bytes(ids)` would make, counted without making them."""
+        return int(self._token_sizes[np.asarray(ids, dtype=np.int64)].sum())
 
     def token_id(self, text: str) -> Optional[int]:
         """The id of the token spelled `text` (e.g. "<|image_pad|>"), None if there is none."""

@@ -13,6 +13,7 @@ its patch-embedding weight). Every fault is a BadRequest that says what is wrong
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import math
@@ -22,12 +23,17 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import psutil
 
 from ..errors import BadRequest, PermissionDenied
 
 MAX_IMAGE_BYTES = 32 << 20        # one encoded image
 MAX_SOURCE_PIXELS = 50_000_000    # before resizing (a 7071 x 7071 image); decompression bombs
 MAX_ASPECT = 200                  # the processor's own limit
+# Peak bytes per source pixel while decoding: the decoded pixels, then RGBA, the white
+# background it is composited on and the RGB result (a 7,071 x 7,071 PNG of 10 kB peaked
+# near 1 GB). An image needing more than half the memory available is refused.
+DECODE_BYTES_PER_PIXEL = 16
 
 
 @dataclass(frozen=True)
@@ -60,9 +66,11 @@ def read_image_part(part: dict, image_dir: Optional[str]) -> bytes:
     from inside `image_dir` (the daemon's --image-dir) with the daemon's permissions.
 
     Paths are confined: without an image_dir every path is refused; with one, the path
-    must resolve (symlinks followed by realpath) inside it, and the file is opened with
-    O_NOFOLLOW | O_NONBLOCK and checked to be regular on the open descriptor, so a swapped
-    symlink or a FIFO cannot make the engine read elsewhere or block."""
+    must name a file under it, and it is opened one component at a time from a descriptor
+    of the directory, each with O_NOFOLLOW (no symlink is followed, no `..` accepted), the
+    file with O_NONBLOCK and checked to be regular on its descriptor. Checking a resolved
+    path and then opening it could be raced (a directory swapped for a symlink between
+    the two); a walk of descriptors cannot be."""
     if "data" in part:
         data = part["data"]
     else:
@@ -78,26 +86,62 @@ def _read_confined(path: str, image_dir: Optional[str]) -> bytes:
                                "--image-dir DIR); send the image's bytes instead")
     if not os.path.isabs(path):
         raise BadRequest(f"image path must be absolute, got {path!r}")
-    root = os.path.realpath(image_dir)
-    real = os.path.realpath(path)
-    if os.path.commonpath([root, real]) != root:
-        raise PermissionDenied(f"image path {path!r} is outside the image directory {image_dir}")
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise BadRequest(f"image file {path!r} does not exist") from None
-    except PermissionError:
-        raise BadRequest(f"image file {path!r} is not readable by the daemon") from None
-    except OSError as e:
-        raise BadRequest(f"image file {path!r} cannot be opened: {e.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+    outside = PermissionDenied(f"image path {path!r} is outside the image directory "
+                               f"{image_dir} (symlinks and .. are not followed)")
+    parts = _below(path, image_dir)
+    if parts is None:
+        raise outside
+    if not parts:
         raise BadRequest(f"image path {path!r} is not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            return f.read(MAX_IMAGE_BYTES + 1)
-        except OSError as e:
-            raise BadRequest(f"image file {path!r} cannot be read: {e.strerror}") from None
+    try:
+        fd = os.open(image_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise BadRequest(f"the image directory cannot be opened: {e.strerror}") from None
+    try:
+        for i, name in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (
+                os.O_NONBLOCK if last else os.O_DIRECTORY)
+            try:
+                next_fd = os.open(name, flags, dir_fd=fd)
+            except OSError as e:
+                raise _open_error(e, path, outside) from None
+            os.close(fd)
+            fd = next_fd
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadRequest(f"image path {path!r} is not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            try:
+                return f.read(MAX_IMAGE_BYTES + 1)
+            except OSError as e:
+                raise BadRequest(f"image file {path!r} cannot be read: {e.strerror}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _below(path: str, image_dir: str) -> Optional[list]:
+    """The components of `path` under `image_dir` (as configured or as resolved), or None
+    if it is not under it or climbs with `..`."""
+    for root in {os.path.normpath(image_dir), os.path.realpath(image_dir)}:
+        if path == root or path.startswith(root.rstrip("/") + "/"):
+            parts = [p for p in path[len(root):].split("/") if p not in ("", ".")]
+            return None if ".." in parts else parts
+    return None
+
+
+def _open_error(e: OSError, path: str, outside: PermissionDenied) -> Exception:
+    """The client's error for a failed open along the walk (never `internal`)."""
+    if e.errno == errno.ELOOP:               # a symlink, possibly swapped in just now
+        return outside
+    if e.errno == errno.ENOENT:
+        return BadRequest(f"image file {path!r} does not exist")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return BadRequest(f"image file {path!r} is not readable by the daemon")
+    if e.errno == errno.ENOTDIR:
+        return BadRequest(f"image path {path!r} goes through something that is not a directory")
+    return BadRequest(f"image file {path!r} cannot be opened: {e.strerror}")
 
 
 def decode_image(data: bytes) -> np.ndarray:
@@ -107,7 +151,7 @@ def decode_image(data: bytes) -> np.ndarray:
     try:
         im = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
-        raise BadRequest(f"not an image (Pillow cannot identify {len(data)} bytes)") from None
+        raise BadRequest("not an image: Pillow cannot identify its format") from None
     except Exception as e:  # noqa: BLE001 - Pillow raises many types on corrupt headers
         raise BadRequest(f"not a readable image: {type(e).__name__}: {e}") from None
     w, h = im.size
@@ -115,6 +159,10 @@ def decode_image(data: bytes) -> np.ndarray:
         raise BadRequest(f"image of {w}x{h} pixels; at most {MAX_SOURCE_PIXELS} pixels are accepted")
     if max(w, h) / min(w, h) > MAX_ASPECT:
         raise BadRequest(f"image of {w}x{h}: aspect ratio above {MAX_ASPECT}")
+    need, available = w * h * DECODE_BYTES_PER_PIXEL, psutil.virtual_memory().available
+    if need > available // 2:
+        raise BadRequest(f"image of {w}x{h} pixels: decoding it takes about {need >> 20} MB, "
+                         f"more than half the {available >> 20} MB of memory available")
     try:
         im.load()
     except Exception as e:  # noqa: BLE001 - truncated or corrupt pixel data
