@@ -170,8 +170,8 @@ KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int il, const int T, const u
                                     pf_step / 8, ks_kq_prefetch_l2(kind, KS_TW))
         /* Q6_K's blocks fully unrolled (its code building has constants for each); the others
          * by pairs (the two nibbles of one code byte), the pairs unrolled KS_T*_KQ_PAIRS
-         * times: on 16 rows a loop of pairs fits the decoded-instruction cache and is faster
-         * than unrolling all 8, on 8 rows unrolling all is */
+         * times: all 8 blocks on 8 rows; on 16 rows a loop of pairs, since all 8 unrolled
+         * would outgrow the decoded-instruction cache */
         if (kind == KS_KQ_Q6K) {
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {

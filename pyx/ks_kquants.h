@@ -52,7 +52,8 @@ static inline int ks_kq_bytes(int kind)
 
 /* Whether a decode tile of this type and this many rows prefetches into L2 (ks_prefetch_rows):
  * Q6_K, the K type with the most bytes per value, and any 16-row tile (twice the bytes
- * ahead of an 8-row one; measured 0.92 -> 0.95x of the 8-row tile on Q4_K from memory). */
+ * ahead of an 8-row one: more than L1's miss buffers keep in flight; docs/speed.md, "Decode
+ * prefetch"). */
 static inline int ks_kq_prefetch_l2(int kind, int rows)
 {
     return KS_PREFETCH_L2 && (kind == KS_KQ_Q6K || rows == 16);
@@ -678,12 +679,12 @@ KS_VNNI_TARGET static void ks_q6k_matmul_rows_x16(KS_ROWS_PARAMS)
 
 /* Same contract as ks_kq_matmul_rows_plain. AVX2: ks_kq_tile.h's 8-row tiles, but for Q6_K
  * decode: its codes are built per row, so one token pays a transpose per block that the 8 x 1
- * tile with horizontal sums avoids (measured faster there by bench/kernels.py). NEON: decode
- * in 8 x 1 tiles, prefill in 4 x 2. AVX512-VNNI CPUs take the *_vnni entry points above instead
- * (ks_weights.h's table), ks_kq_tile.h's 16-row tiles for decode too: 1.04-1.47x the 8-row
- * tiles with the rows in cache, Q4_K about 0.95x from memory. An interleaved matrix goes to the
- * *_x8 / *_x16 entry points, ks_kq_tile.h's tiles for both (Q6_K's codes need no transpose
- * there); on NEON with sdot, to ks_il4_neon.h's *_x4. */
+ * tile with horizontal sums avoids. NEON: decode in 8 x 1 tiles, prefill in 4 x 2. AVX512-VNNI
+ * CPUs take the *_vnni entry points above instead (ks_weights.h's table), ks_kq_tile.h's
+ * 16-row tiles for decode too (unpacking and float work once per 16 rows). The figures:
+ * docs/speed.md, "The x86 tiles". An interleaved matrix goes to the *_x8 / *_x16 entry
+ * points, ks_kq_tile.h's tiles for both (Q6_K's codes need no transpose there); on NEON with
+ * sdot, to ks_il4_neon.h's *_x4. */
 KS_INLINE void ks_kq_matmul_rows(const int kind, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, nsb = k / KS_QK_K, sums = kind != KS_KQ_Q6K;

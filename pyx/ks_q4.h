@@ -373,9 +373,9 @@ KS_VNNI_TARGET static void ks_q5_0_matmul_rows_x16(KS_ROWS_PARAMS)
  * with horizontal sums, prefetching the next tile as ks_q8.h does; prefill: ks_q4_tile.h's
  * 8-row tiles on AVX2, tiles of 4 rows x 2 tokens on NEON. AVX512-VNNI CPUs take the per-type
  * *_vnni entry points above instead (ks_weights.h's table), ks_q4_tile.h's 16-row tiles for
- * decode too: 1.1-1.3x the 8 x 1 tile with the rows in cache, 0.96-1.13x from memory. An
- * interleaved matrix goes to the *_x8 / *_x16 entry points, ks_q4_tile.h's tiles for both, or
- * on NEON with sdot to ks_il4_neon.h's *_x4. */
+ * decode too (no horizontal sums; docs/speed.md, "The x86 tiles"). An interleaved matrix goes
+ * to the *_x8 / *_x16 entry points, ks_q4_tile.h's tiles for both, or on NEON with sdot to
+ * ks_il4_neon.h's *_x4. */
 static inline __attribute__((always_inline))
 void ks_q4x_matmul_rows(const int f, KS_ROWS_PARAMS)
 {

@@ -275,7 +275,8 @@ KS_INLINE __m256i ks_dot_chunks_t8(__m256i acc, const __m256i *u, const int8_t *
 
 #define KS_T8_BITS 256
 #define KS_T8_FN KS_INLINE
-#define KS_T8_TOKENS 8          /* an unpacked block feeds 8 tokens (spilling, but faster than 4) */
+#define KS_T8_TOKENS 8          /* an unpacked block feeds 8 tokens (it spills registers, but
+                                 * the unpacking is the dearer part) */
 #define KS_T8_KQ_PAIRS 4        /* ks_kq_tile.h's unrolling */
 
 /* The tiles of rows r .. r + rv - 1 over the token block [tb, te) of a product's loop (out,
@@ -357,8 +358,8 @@ KS_INLINE float32x4_t ks_f16x4_neon(uint64_t h0, uint64_t h1, uint64_t h2, uint6
  * next tile, so the requests are spread over the computation (all of the next tile up front
  * stalls on the fill buffers). to_l2: into L2 only (prefetcht1), for the types with the most
  * bytes per value (Q8_0, Q6_K), whose tiles consume bytes faster than L1's few miss buffers
- * bring them from DRAM; else into L1. KS_PREFETCH_L2: on for x86 (measured on Zen 4), off on
- * NEON (not measured on the A76 yet). Measured effect: README, "Speed". */
+ * bring them from DRAM; else into L1. KS_PREFETCH_L2: on for x86, off on NEON (not tried on
+ * the A76 yet). The figures: docs/speed.md, "Decode prefetch: into L2 for Q8_0 and Q6_K". */
 #if defined(KS_AVX2)
 #define KS_PREFETCH_L2 1
 #else
@@ -516,14 +517,14 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
 /* ---- products with AVX512-VNNI (runtime-dispatched; the build's baseline stays AVX2) -------
  * A tile of 16 rows x up to 32 tokens in 512-bit vectors. The rows' 32-byte blocks are
  * transposed as dwords (rows i and 8 + i in the two halves of one vector), so lane i of every
- * vector belongs to row i: vpdpbusd with a broadcast 4-byte chunk of a token then adds row i's chunk product
- * into lane i, and a block's 16 exact row sums come out with no horizontal adds. 16 rows a
- * vector rather than the AVX2 tile's 8 halve the unpacking, broadcasts and float work per
- * product (README, "Speed", has the measured gain). vpdpbusd multiplies unsigned by signed
- * bytes: the weights are flipped to w + 128 (xor 0x80) and the sum starts at -128 * sum(x)
- * of the block, so it is exact. The float side is the same fma(isum, dw * dx, acc) per block,
- * in order: bit-identical. The K types' and Q4_0 family's 16-row tiles (ks_kq_tile.h,
- * ks_q4_tile.h) share the helpers below. */
+ * vector belongs to row i: vpdpbusd with a broadcast 4-byte chunk of a token then adds row i's
+ * chunk product into lane i, and a block's 16 exact row sums come out with no horizontal adds.
+ * 16 rows a vector rather than the AVX2 tile's 8 halve the unpacking, broadcasts and float
+ * work per product (docs/speed.md, "The x86 tiles", has the figures). vpdpbusd multiplies
+ * unsigned by signed bytes: the weights are flipped to w + 128 (xor 0x80) and the sum starts
+ * at -128 * sum(x) of the block, so it is exact. The float side is the same
+ * fma(isum, dw * dx, acc) per block, in order: bit-identical. The K types' and Q4_0 family's
+ * 16-row tiles (ks_kq_tile.h, ks_q4_tile.h) share the helpers below. */
 #define KS_HAVE_VNNI 1
 #define KS_VNNI_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f")))
 /* Tokens per tile: a whole token block where one is left, so each block of 16 rows is
@@ -702,8 +703,8 @@ KS_VNNI_FN void ks_q8_tile16_vnni(const int il, const int T, const uint8_t *w, i
 
 /* The Q8_0 product on AVX512-VNNI CPUs (ks_weights.h's table takes it over ks_q8_matmul_rows
  * there), on rows (il 0) or on 16-row interleaved groups (il 1, r0 a multiple of 16): decode
- * (n == 1) in 16 x 1 tiles too, which beat the 8 x 1 tile's horizontal sums with the rows in
- * cache (1.3x) and match it from memory (scripts/ab_kernels.py). */
+ * (n == 1) in 16 x 1 tiles too, which need none of the 8 x 1 tile's horizontal sums
+ * (docs/speed.md, "The x86 tiles"). */
 KS_VNNI_FN void ks_q8_matmul_rows_t16(const int il, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;

@@ -1,10 +1,11 @@
 """A/B of two builds of the kernels in one process: which of two changes to pyx/ is faster.
 
-On a shared VM the same product, timed a minute apart, can run 30-50% slower (the host's
-other work), so two builds benchmarked one after the other compare the host's moods more
-than the code. This loads both compiled modules (`kestreld/_kernels*.so` of two checkouts)
-into one process and times them alternately, call by call, on the same weights and
-activations; the best time of each over the rounds is what the code can do.
+On a shared VM the same product, timed a minute apart, can run much slower (the host's
+other work; docs/speed.md, "The x86 tiles"), so two builds benchmarked one after the other
+compare the host's moods more than the code. This loads both compiled modules
+(`kestreld/_kernels*.so` of two checkouts) into one process and times them alternately, call
+by call, on the same weights and activations; the best time of each over the rounds is what
+the code can do.
 
     git worktree add /tmp/base HEAD                                             # the base,
     (cd /tmp/base && $OLDPWD/.venv/bin/python setup.py -q build_ext --inplace -j 2)  # built

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # An arm64 Debian (bookworm) for building and testing Kestrel as aarch64 on an x86-64 host, from
 # Debian's packages and PyPI only: qemu-user-static through binfmt_misc runs the root's aarch64
-# programs; gcc-aarch64-linux-gnu compiles the kernels natively (gcc under qemu: 6x the CPU time)
-# against the root's Python headers and libc, with setup.py's own aarch64 flags.
+# programs; gcc-aarch64-linux-gnu compiles the kernels natively (gcc under qemu would run
+# emulated; docs/speed.md has the figure) against the root's Python headers and libc, with
+# setup.py's own aarch64 flags.
 #
 #   scripts/arm64-env.sh prepare PYTHON      host packages, binfmt, the root, its venv
 #   scripts/arm64-env.sh build PYTHON        setup.py build_ext --inplace for aarch64, the

@@ -8,25 +8,19 @@ accepts the end), `commit` feeds it the chosen token, `finished` says only the e
 follow.
 
 The grammar engine is llguidance (an Earley parser over lexemes that walks the token trie,
-in Rust). Measured with bench/grammar_engines.py (x86 VM, one thread, two runs; answers of
-40-110 tokens: any JSON object, a schema-bound object, a Qwen3 tool call), per decode
-step, mask computed and applied to the logits, median:
-  - llguidance: 0.05-0.09 ms on SmolLM2's 49,152 tokens, 0.12-0.14 ms on a 151,936-token
-    Qwen3-sized vocabulary (first step 0.2-1.2 ms); a grammar compiles in 1.3-6 ms;
-  - outlines-core: 0.04-0.12 ms (49k) and 0.11-0.44 ms (151k, p90 up to 0.9), but its
-    index is built per schema over the whole vocabulary before the first token: 0.07-10 s
-    on 49k, 0.4-17 s on 151k, and plain `json_object` (not a regular language) only as a
-    depth-bounded regex.
-llguidance needs no other package (xgrammar needs torch and transformers at run time).
-In a whole decode (`--decode`: SmolLM2, one thread, greedy, 68 tokens x 5, on a loaded
-2-core VM) a schema's grammar took 34.38 ms/token against 34.03 free (+0.35 ms, +1.0%).
-So the mask is computed in line, on the engine thread: handing it to a helper thread
-during the forward pass would save a fraction of a millisecond per token, at the price of
-a core taken from the forward pass's team of threads and a hand-off per token.
+in Rust): it compiles a grammar as the request arrives, its mask per decode step is small
+beside the forward pass, and it needs no other package. Not kept: outlines-core builds its
+index per schema over the whole vocabulary before the first token, and takes plain
+`json_object` (not a regular language) only as a depth-bounded regex; xgrammar needs torch
+and transformers at run time. The mask is computed in line, on the engine thread: handing
+it to a helper thread during the forward pass would save only the mask's own time, at the
+price of a core taken from the forward pass's team of threads and a hand-off per token.
+The engines' costs: docs/speed.md, "Constrained sampling: what the grammar costs".
 
-`GrammarVocabulary` is built once per model (0.2-0.5 s) from Kestrel's own tokenizer: token
-id -> bytes, control tokens marked as not text, the end-of-generation ids. Thread-safety:
-a GrammarVocabulary is immutable; a Constraint belongs to one request on the engine thread.
+`GrammarVocabulary` is built once per model, at its first constrained request, from
+Kestrel's own tokenizer: token id -> bytes, control tokens marked as not text, the
+end-of-generation ids. Thread-safety: a GrammarVocabulary is immutable; a Constraint belongs
+to one request on the engine thread.
 """
 from __future__ import annotations
 
@@ -97,7 +91,7 @@ class Constraint:
             raise BadRequest(f"response_format / tools: the JSON schema cannot be used: "
                              f"{_engine_error(self.matcher.get_error())}")
         self._bits = np.empty((vocab.n_vocab + 31) // 32, dtype=np.int32)
-        if self._allowed() is None:        # computed again at the first `mask` (about 1 ms)
+        if self._allowed() is None:        # computed again at the first `mask`
             raise BadRequest("response_format / tools: the JSON schema allows no answer "
                              "(a $ref, allOf or anyOf cycle with no way out?)"
                              + _engine_reason(self.matcher))

@@ -356,7 +356,7 @@ class Engine:
 
     def _constraint(self, prompt: Prompt, opts: SamplingOptions) -> Optional[Constraint]:
         """The grammar the answer must follow, or None; the model's grammar vocabulary is
-        built at the first one (0.2-0.5 s) and kept."""
+        built at the first one and kept."""
         grammar = answer_grammar(opts.response_format, prompt.tools, prompt.thinking)
         if grammar is None:
             return None

@@ -19,9 +19,8 @@ What runs where (on `threads` threads):
     N x N scores) in float32 C;
   - the patch embedding and the mergers: float32 numpy BLAS, with the C LayerNorm and GELU
     (erf). They are under a tenth of the FLOPs (2B: 20 of 260 GMAC per image) and set the
-    embeddings the language model sees; on Q8_0 the mergers took 40% more of the error
-    margin (tests' model: embeddings cosine to transformers 0.99983 -> 0.99976, DeepStack
-    0.99995 -> 0.99988).
+    embeddings the language model sees: on Q8_0 they would spend a large part of the error
+    margin to save little time (docs/speed.md, "The vision mergers in float").
 """
 from __future__ import annotations
 
