@@ -47,7 +47,7 @@ def test_disconnect_while_queued_drops_the_request_others_unaffected(daemon):
         before = runs(c)
         busy = Raw(daemon.socket)                 # occupies the engine for a while
         busy.send([0, 1, "generate", [{"prompt": SHORT, "max_tokens": 60, "ignore_eos": True,
-                                       "stream": False}]])
+                                       "stream": False, "speculate": False}]])
         time.sleep(0.3)
         leaver = Raw(daemon.socket)
         leaver.send([0, 1, "generate", [{"prompt": STORY, "max_tokens": 60}]])
