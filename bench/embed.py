@@ -19,7 +19,6 @@ repetition) and the median of the repetitions is reported. Both are warmed up on
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -31,13 +30,13 @@ import numpy as np
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import open_llama, shaped_path
+from vs_llamacpp import llamacpp_available
 
 from kestreld.engine.embed import EmbedInput
 from kestreld.engine.generate import Engine
 from kestreld.model.load import load_model
 from kestreld.service.config import default_cache_dir
 
-LLAMA_CPP_VERSION = "0.3.36"
 FULL = ((1, 32, 512), (16, 32, 512), (128, 32, 512))     # (texts, shortest, longest tokens)
 QUICK = ((1, 32, 64), (16, 32, 64))
 N_BATCH = 2048                  # llama.cpp's batch: several texts per decode
@@ -76,15 +75,6 @@ class LlamaCpp:
         t0 = time.perf_counter()
         vectors, tokens = self.llm.embed(texts, normalize=True, return_count=True)
         return time.perf_counter() - t0, tokens, np.asarray(vectors[0], np.float32)
-
-
-def llamacpp_available() -> bool:
-    if importlib.util.find_spec("llama_cpp") is None:
-        print(f"llama-cpp-python is not installed: only Kestrel is measured. To compare:\n"
-              f"    {sys.executable} -m pip install llama-cpp-python=={LLAMA_CPP_VERSION}\n"
-              f"(it builds llama.cpp from source, about 10 minutes)", file=sys.stderr)
-        return False
-    return True
 
 
 def fmt(x: float, digits: int = 1) -> str:

@@ -85,3 +85,19 @@ def vnni(request):
     yield on
     K.set_matmul_vnni(True)
     ops().set_matmul_vnni(True)
+
+
+# The HTTP tests' clients of the module's `daemon` (started with --http 127.0.0.1:0)
+@pytest.fixture
+def http(daemon):
+    import httpx
+    with httpx.Client(base_url=daemon.http_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def sdk(daemon):
+    import openai
+    with openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0,
+                       timeout=120) as c:
+        yield c

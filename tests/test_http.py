@@ -41,19 +41,6 @@ def daemon(tmp_path_factory):
         yield d
 
 
-@pytest.fixture
-def http(daemon):
-    with httpx.Client(base_url=daemon.http_url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture
-def sdk(daemon):
-    with openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0,
-                       timeout=120) as c:
-        yield c
-
-
 def sse_events(lines) -> list:
     """The `data:` payloads of a server-sent event stream, [DONE] included, in order."""
     out = []

@@ -34,19 +34,6 @@ def daemon(tmp_path_factory):
         yield d
 
 
-@pytest.fixture
-def http(daemon):
-    with httpx.Client(base_url=daemon.http_url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture
-def sdk(daemon):
-    with openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0,
-                       timeout=120) as c:
-        yield c
-
-
 def assert_serving(http: httpx.Client) -> None:
     r = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

@@ -54,12 +54,6 @@ def client(daemon):
     return ollama.Client(host=daemon.http_url, timeout=120)
 
 
-@pytest.fixture
-def http(daemon):
-    with httpx.Client(base_url=daemon.http_url, timeout=120) as c:
-        yield c
-
-
 def own_name(client) -> str:
     return client.list().models[0].model
 
