@@ -572,7 +572,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model = (load_model(path, cache_dir=cache) if args.text_type == "Q8_0"
              else load_model(text, mmproj=mmproj))
-    engine = Engine(model, max_seq=args.max_seq, threads=args.threads)
+    # one token per decode pass, as mtmd's: speculation is bench/speculate.py's
+    engine = Engine(model, max_seq=args.max_seq, threads=args.threads, speculate=False)
     res = {"convert_s": convert_s, "load_s": time.perf_counter() - t0, "rss_load": rss_mb()}
     warm = test_image(0, IMAGE_SIDE, IMAGE_SIDE, "JPEG")
     first = ask(engine, warm, QUESTION_1, DECODE_TOKENS)    # pages the weights in

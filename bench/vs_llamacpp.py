@@ -93,7 +93,8 @@ class KestrelRunner:
         model = load_model(path)
         self.vocab, self.moe = model.config.vocab, model.config.n_experts > 0
         extra = {"prefill_chunk": prefill_chunk} if prefill_chunk else {}
-        self.engine = Engine(model, max_seq=max_seq, threads=threads, **extra)
+        # one token per pass, as llama.cpp's eval here: speculation is bench/speculate.py's
+        self.engine = Engine(model, max_seq=max_seq, threads=threads, speculate=False, **extra)
 
     def _run(self, ids: list, n: int):
         from kestreld.engine.sampler import SamplingOptions
