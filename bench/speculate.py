@@ -142,19 +142,23 @@ class Kestrel:
 
 
 class LlamaCpp:
+    """llama-cpp-python's `generate`, plainly or with its prompt lookup, a fresh context per
+    answer."""
+
     def __init__(self, path: str, threads: int, lookup: bool):
-        extra = {}
-        if lookup:
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-            extra["draft_model"] = LlamaPromptLookupDecoding()
-        self.llm = open_llama(path, True, n_threads=threads, n_threads_batch=threads, n_ctx=4096,
-                              n_batch=512, seed=0, verbose=False, **extra)
+        self.path, self.threads, self.lookup = path, threads, lookup
 
     def answer(self, ids: list, max_tokens: int):
-        self.llm.reset()
+        extra = {}
+        if self.lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+            # its verification reads the logits of every drafted position
+            extra.update(draft_model=LlamaPromptLookupDecoding(), logits_all=True)
+        llm = open_llama(self.path, True, n_threads=self.threads, n_threads_batch=self.threads,
+                         n_ctx=4096, n_batch=512, seed=0, verbose=False, **extra)
         times, out = [], []
-        eos = self.llm.token_eos()
-        for tok in self.llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+        eos = llm.token_eos()
+        for tok in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
             times.append(time.perf_counter())
             if tok == eos:
                 break

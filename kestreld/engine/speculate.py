@@ -12,13 +12,13 @@ without t, renormalized, which is the rule that keeps the model's distribution. 
 generator is drawn once per token, as without speculation, so greedy and seeded outputs are
 the same ids as with `--no-speculate`. Rejected rows are cut from the KV cache.
 
-Draft sizes, chosen for SmolLM2's answers (docs/speculation.md has the measurements):
-the longest n-gram of N_GRAMS ending the context that occurred before, its most recent
-occurrence, continued for up to `length` tokens. `length` adapts: it doubles up to
-MAX_DRAFT after a draft accepted whole and drops to what was accepted plus one after a
-partial one. A draft that gains nothing costs a pass over more tokens, so after a pass with
-no draft accepted the drafter rests for a number of tokens that doubles with each such pass
-in a row (up to MAX_REST) and starts again at 1 after a pass that gained.
+Draft sizes, chosen on SmolLM2's answers (docs/speculation.md has the measurements):
+the context's last 3-gram, its most recent earlier occurrence, continued for up to `length`
+tokens (a 2-gram alone was too often a false lead in open chat). `length` adapts: it doubles
+up to MAX_DRAFT after a draft accepted whole and drops to what was accepted plus one after a
+partial one. A pass over more tokens costs more than one, so after a pass that took less
+than half its draft the drafter rests for a number of tokens that doubles with each such
+pass in a row (up to MAX_REST) and starts again at 1 after a pass that gained.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-N_GRAMS = (3, 2)          # n-gram sizes matched, longest first
+N_GRAMS = (3,)            # n-gram sizes matched, longest first
 MAX_DRAFT = 8             # most tokens drafted per pass
 FIRST_DRAFT = 4           # draft length of a request's first draft
 MAX_REST = 32             # most tokens decoded without drafting after passes that gained nothing
@@ -88,7 +88,7 @@ class Drafter:
             self.length = min(2 * self.length, MAX_DRAFT)
         else:
             self.length = max(accepted + 1, 1)
-        if accepted == 0:
+        if 2 * accepted < drafted:       # less than half taken: the pass cost more than it gave
             self.rest = self.rest_next
             self.rest_next = min(2 * self.rest_next, MAX_REST)
         else:
