@@ -30,7 +30,7 @@ import numpy as np
 N_GRAMS = (3,)            # n-gram sizes matched, longest first
 MAX_DRAFT = 8             # most tokens drafted per pass
 FIRST_DRAFT = 4           # draft length of a request's first draft
-MAX_REST = 32             # most tokens decoded without drafting after passes that gained nothing
+MAX_REST = 32             # most tokens decoded without drafting after passes that did not pay
 
 
 class Drafter:
@@ -46,10 +46,10 @@ class Drafter:
         self.exclude = np.array(sorted(exclude), np.int64)
         self.length = FIRST_DRAFT
         self.rest = 0             # tokens to decode before drafting again
-        self.rest_next = 1        # the next rest after a pass that gains nothing
+        self.rest_next = 1        # the next rest after a pass that does not pay
 
     def push(self, tok: int) -> None:
-        """Appends a token chosen (or, at the start, of the prompt)."""
+        """Appends a chosen token."""
         if self.n < len(self.ids):
             self.ids[self.n] = tok
             self.n += 1
