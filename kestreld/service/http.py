@@ -306,16 +306,13 @@ class HttpApi:
     def _error(self, error: KestrelError, path: str) -> web.Response:
         return web.json_response(error_body_for(path, error), status=error.http_status)
 
-    def _serving(self) -> Methods:
+    def serving(self) -> Methods:
+        """The methods, once the model is loaded (Loading before, ShuttingDown after)."""
         if self.state == "loading":
             raise Loading("the model is loading; try again shortly")
         if self.state == "stopping":
             raise ShuttingDown("the daemon is shutting down")
         return self.methods
-
-    def serving(self) -> Methods:
-        """The methods, once the model is loaded (Loading before, ShuttingDown after)."""
-        return self._serving()
 
     def strict_names(self) -> tuple:
         """Under --strict-model, the names a request may give (the model's, its --alias
@@ -325,19 +322,19 @@ class HttpApi:
     # ------------------------------------------------------------ endpoints
 
     async def _health(self, request: web.Request) -> web.Response:
-        self._serving()
+        self.serving()
         return web.json_response({"status": "ok"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        self._serving()
+        self.serving()
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _models(self, request: web.Request) -> web.Response:
-        self._serving()
+        self.serving()
         return web.json_response(models(self.model_id, self.created))
 
     async def _model(self, request: web.Request) -> web.Response:
-        self._serving()
+        self.serving()
         if request.match_info["model_id"] != self.model_id:
             raise ModelNotFound(f"no model {request.match_info['model_id'][:100]!r}: this "
                                 f"daemon serves {self.model_id!r}", param="model")
@@ -360,7 +357,7 @@ class HttpApi:
         the prompt in the KV cache: the prefix rule keeps all of it but its last token);
         answer whole or streamed in the `shapes` of the route. A seed given is choice i's
         seed + i (methods.nth_choice)."""
-        methods = self._serving()
+        methods = self.serving()
         req: Translated = translate(await read_json(request), self.model_id, self.strict_names())
         try:
             params = methods.validate(req.method, req.params)
