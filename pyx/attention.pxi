@@ -109,7 +109,7 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
                 t0 = (n_tiles - 1 - it // n_kv) * KS_ATTN_TOKENS
                 ks_attn_prefill_item(&q[0, 0, 0], &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0], &vs[0, 0],
                                      &out[0, 0, 0], <int>n_heads, <int>n_kv, <int>hd,
-                                     <int>max_seq, pos0, scale, kv_bs, <int>t0,
+                                     <int>max_seq, pos0, 0, scale, kv_bs, <int>t0,
                                      <int>min(n, t0 + KS_ATTN_TOKENS), <int>(it % n_kv),
                                      scratch + threadid() * scratch_floats)
     finally:

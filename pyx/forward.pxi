@@ -213,7 +213,9 @@ cdef class Forward:
         after layers 0 .. d-1. routing: None or int32 (MoE layers, n, n_used), filled with
         the experts each token chose. hidden: None, or (1, hidden) / (n, hidden) that
         receives the last / every token's row after the output norm instead of logits
-        (embeddings; logits is then not read and may be None)."""
+        (embeddings; logits is then not read and may be None). seq_starts: None, or int32
+        (s,) from 0, increasing: packed sequences, each from its token to the next one's,
+        whose tokens attend only their own sequence's keys (rows before pos0 included: none)."""
         cdef const int32_t[::1] tokens = batch.tokens
         cdef int pos0 = batch.pos0
         cdef const float[:, ::1] rope_cos = batch.rope_cos
@@ -222,6 +224,7 @@ cdef class Forward:
         cdef float[:, ::1] hidden = batch.hidden
         vis_rows, vis_embd, deep = batch.vis_rows, batch.vis_embd, batch.deep
         routing = batch.routing
+        cdef const int32_t[::1] starts = batch.seq_starts
         cdef ks_batch b
         cdef Py_ssize_t n = tokens.shape[0], i
         cdef const int32_t[::1] vr
@@ -252,6 +255,14 @@ cdef class Forward:
         else:
             b.logits, b.hidden, b.all_logits = &logits[0, 0], NULL, logits.shape[0] == n and n > 1
         b.n_vis, b.vis_rows, b.vis_embd, b.n_deep, b.deep, b.routing = 0, NULL, NULL, 0, NULL, NULL
+        b.n_seqs, b.seq_starts = 0, NULL
+        if starts is not None:
+            ok = starts.shape[0] > 0 and starts[0] == 0
+            for i in range(1, starts.shape[0]):
+                ok = ok and starts[i - 1] < starts[i] < n
+            if not ok:
+                raise ValueError(f"Forward: seq_starts must rise from 0 within the chunk of {n}")
+            b.n_seqs, b.seq_starts = <int>starts.shape[0], &starts[0]
         if vis_rows is not None and len(vis_rows):
             vr, ve = vis_rows, vis_embd
             if ve.shape[0] != vr.shape[0] or ve.shape[1] != self.m.hidden:

@@ -309,19 +309,22 @@ static inline void ks_attn_begin(const ks_attn_scratch *s, const float *q, int n
         }
 }
 
-/* Prefill work item: tokens [t0, t1) x the G query heads of KV head g, over all their keys,
- * segment by segment; writes out (n, n_heads, hd). kq etc. point at the layer
- * (n_kv, max_seq, ...). */
+/* Prefill work item: tokens [t0, t1) x the G query heads of KV head g, over their keys from
+ * KV row kfirst (their sequence's first: 0, or a packed sequence's) to their own, segment by
+ * segment; writes out (n, n_heads, hd). kq etc. point at the layer (n_kv, max_seq, ...).
+ * Segments and blocks are counted from kfirst, so a sequence's results are the same bits
+ * wherever in the arena it starts. */
 static void ks_attn_prefill_item(const float *q, const int8_t *kq, const float *ks,
                                  const int8_t *vq, const float *vs, float *out,
                                  int n_heads, int n_kv, int hd, int max_seq, int pos0,
-                                 float scale, int kv_bs, int t0, int t1, int g, float *scratch)
+                                 int kfirst, float scale, int kv_bs, int t0, int t1, int g,
+                                 float *scratch)
 {
     const int G = n_heads / n_kv, nq = (t1 - t0) * G, seg = ks_attn_segment_len(kv_bs);
     const ks_attn_scratch s = ks_attn_scratch_parts(scratch, nq, hd, kv_bs);
-    const int64_t kvo = (int64_t)g * max_seq;
-    const int ctx = pos0 + t1;
-    ks_attn_begin(&s, q, n_heads, hd, t0, t1, g * G, G, pos0, scale);
+    const int64_t kvo = (int64_t)g * max_seq + kfirst;
+    const int ctx = pos0 - kfirst + t1;
+    ks_attn_begin(&s, q, n_heads, hd, t0, t1, g * G, G, pos0 - kfirst, scale);
     ks_attn_clear(s.fm, s.fl, s.facc, nq, hd);
     for (int k0 = 0; k0 < ctx; k0 += seg) {
         ks_attn_clear(s.m, s.l, s.acc, nq, hd);

@@ -95,6 +95,11 @@ typedef struct {
     float *hidden;                    /* NULL, or (all_logits ? n : 1, hidden): the pass stops
                                          at the output norm, its rows go here, no logits */
     int32_t *routing;                 /* NULL, or (MoE layers, n, n_used): the experts chosen */
+    int n_seqs;                       /* 0: one sequence, keys from row 0. Else packed */
+    const int32_t *seq_starts;        /* sequences (embeddings), sequence s from token
+                                         seq_starts[s] (seq_starts[0] = 0) to the next's: its
+                                         tokens see only its own keys, from row pos0 +
+                                         seq_starts[s] */
 } ks_batch;
 
 /* Every buffer of a forward pass, allocated once for max_chunk tokens and nthreads threads. */
@@ -372,7 +377,30 @@ static inline void ks_phase_qkv(ks_walk *w, const ks_model *M, const ks_layer *L
     }
 }
 
-/* The attention phases of layer li: the chunk's queries over KV rows 0 .. pos0 + t, into
+/* Prefill's attention tiles, up to KS_ATTN_TOKENS tokens of one sequence each. With ti < 0:
+ * their number. With ti >= 0: tile ti's first and end token and its sequence's first KV row
+ * go in tile[0..2] (the count returned is then partial). */
+static inline int ks_attn_tiles_of(const ks_batch *B, int ti, int tile[3])
+{
+    const int ns = B->n_seqs ? B->n_seqs : 1;
+    int count = 0;
+    for (int s = 0; s < ns; s++) {
+        const int a = B->n_seqs ? B->seq_starts[s] : 0;
+        const int b = s + 1 < ns ? B->seq_starts[s + 1] : B->n;
+        const int here = (b - a + KS_ATTN_TOKENS - 1) / KS_ATTN_TOKENS;
+        if (ti >= count && ti < count + here) {
+            tile[0] = a + (ti - count) * KS_ATTN_TOKENS;
+            tile[1] = tile[0] + KS_ATTN_TOKENS < b ? tile[0] + KS_ATTN_TOKENS : b;
+            tile[2] = B->n_seqs ? B->pos0 + a : 0;
+            return count + here;
+        }
+        count += here;
+    }
+    return count;
+}
+
+/* The attention phases of layer li: the chunk's queries over KV rows 0 (or their packed
+ * sequence's first) .. pos0 + t, into
  * att (n, q_dim) and its Q8_0 per head (sq, sd, sh: hd is a multiple of 32, so a head's blocks
  * are the row's). Decode: (KV head, key segment) items, then one merge item per head. Prefill:
  * (token tile, KV head) items, later tiles (more keys: causal) first. */
@@ -383,7 +411,7 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
     const int64_t lq = (int64_t)li * nkv * kv->max_seq;
     const int8_t *kq = kv->k_q + lq * hd, *vq = kv->v_q + lq * hd;
     const float *ks = kv->k_s + lq, *vs = kv->v_s + lq;
-    if (n == 1) {
+    if (n == 1 && B->n_seqs == 0) {
         const int n_seg = ks_attn_segments(B->pos0 + 1, kv->kv_bs);
         const int64_t pf = ks_attn_part_floats(G, hd);
         KS_EACH_ITEM(w, nkv * n_seg, it)
@@ -399,12 +427,13 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
         }
         return 1;
     }
-    const int n_tiles = (n + KS_ATTN_TOKENS - 1) / KS_ATTN_TOKENS;
+    const int n_tiles = ks_attn_tiles_of(B, -1, NULL);
     KS_EACH_ITEM(w, n_tiles * nkv, it) {
-        const int t0 = (n_tiles - 1 - it / nkv) * KS_ATTN_TOKENS, g = it % nkv;
-        const int t1 = t0 + KS_ATTN_TOKENS < n ? t0 + KS_ATTN_TOKENS : n;
+        int tile[3] = {0, 0, 0};
+        ks_attn_tiles_of(B, n_tiles - 1 - it / nkv, tile);
+        const int t0 = tile[0], t1 = tile[1], g = it % nkv;
         ks_attn_prefill_item(S->q, kq, ks, vq, vs, S->att, nh, nkv, hd, kv->max_seq, B->pos0,
-                             M->scale, kv->kv_bs, t0, t1, g, scratch);
+                             tile[2], M->scale, kv->kv_bs, t0, t1, g, scratch);
         for (int t = t0; t < t1; t++)
             for (int h = g * G; h < g * G + G; h++) {
                 const int64_t o = ((int64_t)t * nh + h) * hd;

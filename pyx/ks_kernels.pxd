@@ -32,7 +32,8 @@ cdef extern from "ks_attention.h" nogil:
     void ks_attn_prefill_item(const float *q, const int8_t *kq, const float *ks,
                               const int8_t *vq, const float *vs, float *out,
                               int n_heads, int n_kv, int hd, int max_seq, int pos0,
-                              float scale, int kv_bs, int t0, int t1, int g, float *scratch)
+                              int kfirst, float scale, int kv_bs, int t0, int t1, int g,
+                              float *scratch)
     void ks_attn_decode_item(const float *q, const int8_t *kq, const float *ks,
                              const int8_t *vq, const float *vs, float *part,
                              int n_heads, int n_kv, int hd, int max_seq, int pos0,
@@ -126,6 +127,8 @@ cdef extern from "ks_forward.h" nogil:
         int all_logits
         float *hidden
         int32_t *routing
+        int n_seqs
+        const int32_t *seq_starts
     ctypedef struct ks_scratch:
         int max_chunk, nthreads
     int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, int max_chunk,

@@ -141,15 +141,49 @@ def test_ids_inputs_and_prefix_reuse_give_the_same_bits(model):
     assert np.array_equal(first.vectors[0].view(np.uint32), again.vectors[0].view(np.uint32))
 
 
-def test_a_chat_prefix_survives_embeddings(model):
+class CountedForward:
+    """The engine's forward pass, counting its calls (each is one pass over the weights)."""
+
+    def __init__(self, forward):
+        self.forward, self.calls = forward, 0
+
+    def __getattr__(self, name):
+        return getattr(self.forward, name)
+
+    def __call__(self, *args, **kw):
+        self.calls += 1
+        return self.forward(*args, **kw)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+def test_short_inputs_share_a_pass_with_the_same_bits_as_alone(model, pooling):
+    """Inputs that fit one chunk together go in one pass, each vector the bits it has when
+    its input is sent alone; an input longer than the chunk still runs in its own passes."""
+    e = engine(model.gguf["q8_0"], prefill_chunk=64, pooling=pooling)
+    counted = e.embedder.forward = CountedForward(e.embedder.forward)
+    texts = (TEXTS[0], TEXTS[3], TEXTS[2], TEXTS[1], TEXTS[0])   # 20, 21, 23, 121, 20 tokens
+    together = e.embed(EmbedInput(texts)).vectors
+    assert counted.calls == (1 if pooling == "cls" else 4)      # 64 together, 121 in 2, 20
+    for text, v in zip(texts, together):
+        alone = engine(model.gguf["q8_0"], prefill_chunk=64, pooling=pooling)
+        want = alone.embed(EmbedInput((text,))).vectors[0]
+        np.testing.assert_array_equal(v.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("pooling,chunk", [("last", 16), ("last", 256), ("mean", 256),
+                                           ("cls", 256)])
+def test_a_chat_prefix_survives_embeddings(model, pooling, chunk):
     """The arena holds a conversation; after embeddings that share part of it and that do
-    not, its keys are the same and its next tokens' logits the same bits as without them."""
+    not, one at a time or packed in a pass, its keys are the same and its next tokens'
+    logits the same bits as without them."""
     rng = np.random.default_rng(3)
     chat = [int(i) for i in rng.integers(0, 500, 120)]
     more = [int(i) for i in rng.integers(0, 500, 20)]
-    plain, busy = engine(model.gguf["q8_0"]), engine(model.gguf["q8_0"])
+    plain = engine(model.gguf["q8_0"])
+    busy = engine(model.gguf["q8_0"], prefill_chunk=chunk, pooling=pooling)
     for e in (plain, busy):
         e.forward_logits(chat, 0)
+    busy.embed(EmbedInput((tuple(chat[:50] + [7, 8, 9]), tuple(chat[:30]), tuple(chat[:10]))))
     busy.embed(EmbedInput((tuple(chat[:50] + [7, 8, 9]), TEXTS[0], tuple(chat[:10]))))
     assert busy.kv.keys == tuple(chat)
     want = plain.forward_logits(more, len(chat))

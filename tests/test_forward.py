@@ -101,6 +101,31 @@ def test_prefill_chunking_is_invisible(zoo, name):
         np.testing.assert_array_equal(other.view(np.uint32), one.view(np.uint32), err_msg=label)
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.arm64
+def test_packed_sequences_are_each_as_alone(zoo, name):
+    """Sequences packed in one pass (embeddings: seq_starts) each see only their own keys at
+    RoPE positions 0..: every row's hidden state is the bits of that sequence run alone from
+    row 0, with a length of 1, one that is not a multiple of the attention tile and one past
+    it; a pack of several length-1 sequences too."""
+    loaded = load_model(_path(zoo.get(name), "gguf-q8_0"))
+    e = _engine(loaded, 256, 256)
+    hidden = loaded.config.hidden
+    seqs = [prompt_ids(name, n, seed=3 + n) for n in (37, 1, 16, 50)]
+    for pack in (seqs, [s[:1] for s in seqs]):
+        starts = np.cumsum([0] + [len(s) for s in pack])
+        together = np.zeros((starts[-1], hidden), np.float32)
+        e.kv.truncate(0)
+        e.forward([t for s in pack for t in s], hidden_out=together,
+                  seq_starts=starts[:-1].tolist())
+        for s, a in zip(pack, starts):
+            alone = np.zeros((len(s), hidden), np.float32)
+            e.kv.truncate(0)
+            e.forward(s, hidden_out=alone if len(s) > 1 else alone[:1])
+            np.testing.assert_array_equal(together[a:a + len(s)].view(np.uint32),
+                                          alone.view(np.uint32))
+
+
 def _greedy(loaded, name: str):
     """(prompt ids, 20 greedy ids after them) on the Q8_0 GGUF."""
     ids = prompt_ids(name, 100, seed=3)

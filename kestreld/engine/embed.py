@@ -12,8 +12,11 @@ last phase for the normed rows instead of logits. Pooling, as the file says (or 
     cls    the first token's row; attention is causal, so it is token 0 run alone
 
 then L2 normalization; `dimensions` (Matryoshka) keeps the first d values and renormalizes.
-Inputs cannot share one forward: its attention reads every KV row before a token, with no
-mask between sequences, so each input is its own pass.
+Consecutive inputs that fit in one chunk together share one forward pass, packed from KV row
+0: each is its own sequence there (RoPE positions from 0, attention to its own keys only), so
+its row is the same bits as when it runs alone, and the weights are read once for them all.
+An input alone in its chunk runs as a prompt does, in chunks, and `last` pooling reuses the
+cached prefix it shares with the KV.
 
 When the arena holds another request's KV (a conversation's prefix), it is put back
 afterwards: the rows an input may overwrite (from the shortest common prefix of the inputs
@@ -133,26 +136,63 @@ class Embedder:
         The arena's valid rows and keys are as before afterwards when they were another
         request's; empty, or what the last call left, they become the last input's."""
         before = self.kv.keys
+        feeds = [ids[:1] if pooling == "cls" else ids for ids in inputs]
+        packs = self._packs([len(f) for f in feeds])
         if not before or before == self._left:
-            out = self._each_pooled(inputs, pooling, should_stop)
+            out = self._each_pooled(inputs, feeds, packs, pooling, should_stop)
             self._left = self.kv.keys
             return out
-        keep = min(common_prefix_len(ids, before) for ids in inputs)
-        longest = 1 if pooling == "cls" else max(len(ids) for ids in inputs)
-        hi = min(len(before), longest)
+        # rows [0, keep) get the same KV again: each pass's first input writes them alone
+        keep = min(min(common_prefix_len(ids, before) for ids in inputs),
+                   min(len(feeds[pack[0]]) for pack in packs))
+        reach = max(sum(len(feeds[i]) for i in pack) for pack in packs)
+        hi = min(len(before), reach)
         saved = self.kv.copy_rows(keep, hi) if keep < hi else None
         try:
-            return self._each_pooled(inputs, pooling, should_stop)
+            return self._each_pooled(inputs, feeds, packs, pooling, should_stop)
         finally:
             self._put_back(before, keep, saved)
 
-    def _each_pooled(self, inputs: list, pooling: str, should_stop) -> tuple:
-        rows, cached = [], 0
-        for ids in inputs:
-            v, reused = self._pooled(ids, pooling, should_stop)
-            rows.append(v)
-            cached += reused
+    def _packs(self, lengths: list) -> list:
+        """The inputs' indices in runs of consecutive inputs that fit one chunk together (an
+        input longer than a chunk is alone)."""
+        packs, fill = [], self.chunk
+        for i, n in enumerate(lengths):
+            if fill + n > self.chunk:
+                packs.append([])
+                fill = 0
+            packs[-1].append(i)
+            fill += n
+        return packs
+
+    def _each_pooled(self, inputs: list, feeds: list, packs: list, pooling: str,
+                     should_stop) -> tuple:
+        rows, cached = [None] * len(inputs), 0
+        for pack in packs:
+            if len(pack) == 1:
+                rows[pack[0]], reused = self._pooled(inputs[pack[0]], pooling, should_stop)
+                cached += reused
+                continue
+            if should_stop is not None and should_stop():
+                raise Cancelled("the request was cancelled")
+            for i, v in zip(pack, self._pooled_packed([feeds[i] for i in pack], pooling)):
+                rows[i] = v
         return rows, cached
+
+    def _pooled_packed(self, feeds: list, pooling: str) -> list:
+        """The pooled rows of several inputs (float64), fed in one pass from KV row 0; the
+        KV then holds the first input's keys."""
+        starts = np.cumsum([0] + [len(f) for f in feeds])
+        rows = self._rows[:starts[-1]]
+        self.kv.truncate(0)
+        self.forward([t for f in feeds for t in f], hidden_out=rows,
+                     seq_starts=starts[:-1].tolist())
+        self.kv.truncate(len(feeds[0]))
+        if pooling == "mean":
+            return [rows[a:b].sum(axis=0, dtype=np.float64) / (b - a)
+                    for a, b in zip(starts, starts[1:])]
+        at = starts[:-1] if pooling == "cls" else starts[1:] - 1
+        return [rows[i].astype(np.float64) for i in at]
 
     def _pooled(self, ids: list, pooling: str, should_stop) -> tuple:
         """(the input's pooled row, float64; tokens of KV reused)."""

@@ -42,6 +42,8 @@ class Batch:
     routing: Optional[np.ndarray] = None      # MoE: int32 (MoE layers, n, top-k), filled
     hidden: Optional[np.ndarray] = None       # float32 (1 | n, hidden): rows after the output
                                               # norm, filled instead of logits (embeddings)
+    seq_starts: Optional[np.ndarray] = None   # int32 (s,): packed sequences' first tokens,
+                                              # each attending only its own keys (embeddings)
 
 
 class Forward:
@@ -70,7 +72,8 @@ class Forward:
     def __call__(self, ids, keys=None, logits_out: Optional[np.ndarray] = None,
                  vision: Optional[ChunkVision] = None, rope_pos0: Optional[int] = None,
                  routing: Optional[np.ndarray] = None,
-                 hidden_out: Optional[np.ndarray] = None) -> np.ndarray:
+                 hidden_out: Optional[np.ndarray] = None,
+                 seq_starts: Optional[list] = None) -> np.ndarray:
         """Run tokens `ids` (n <= max_chunk) at KV rows pos0 = cache_len .., store their KV
         and append `keys` (default: the ids) to the cache.
 
@@ -83,7 +86,11 @@ class Forward:
 
         Returns the last token's logits (1, vocab), or fills `logits_out` (n, vocab) with
         every token's. `hidden_out` (1 | n, hidden), embeddings: filled with the last /
-        every token's row after the output norm instead (no logits are made) and returned."""
+        every token's row after the output norm instead (no logits are made) and returned.
+        `seq_starts` (embeddings): the chunk packs sequences beginning at these indices (the
+        first 0), each at RoPE positions 0.. and attending only its own keys; every row is
+        the same bits as its sequence run alone from row 0. The keys appended are the ids,
+        so only the first sequence's rows form a valid prefix afterwards."""
         n, pos0 = len(ids), self.kv.cache_len
         if not 0 < n <= self.max_chunk:
             raise ValueError(f"chunk of {n} tokens; 1..{self.max_chunk} allowed")
@@ -99,6 +106,10 @@ class Forward:
                 vis_embd = np.ascontiguousarray(vision.embeds, np.float32)
                 deep = np.ascontiguousarray(np.stack(vision.deepstack), np.float32) \
                     if vision.deepstack else None
+        elif seq_starts is not None:
+            bounds = list(seq_starts) + [n]
+            rows = np.concatenate([np.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+            cos, sin = self.cos[rows], self.sin[rows]
         else:
             r0 = pos0 if rope_pos0 is None else rope_pos0
             if not (0 <= r0 and r0 + n <= len(self.cos)):
@@ -109,6 +120,8 @@ class Forward:
             logits = None
         self.compiled.run(Batch(tokens=tokens, pos0=pos0, rope_cos=cos, rope_sin=sin,
                                 logits=logits, vis_rows=vis_rows, vis_embd=vis_embd, deep=deep,
-                                routing=routing, hidden=hidden_out))
+                                routing=routing, hidden=hidden_out,
+                                seq_starts=None if seq_starts is None
+                                else np.asarray(seq_starts, np.int32)))
         self.kv.append(ids if keys is None else keys)
         return logits if hidden_out is None else hidden_out
