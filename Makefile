@@ -98,6 +98,12 @@ bench-arm64: $(VENV)/.deps
 bench-speculate: build
 	$(PY) bench/speculate.py --threads $(THREADS)
 
+# Embeddings: 1, 16 and 128 texts of 32-512 tokens, both engines on the Qwen3-Embedding-0.6B
+# shape (bench/embed.py)
+.PHONY: bench-embed
+bench-embed: build
+	$(PY) bench/embed.py --threads $(THREADS)
+
 # Qwen3-VL: one 448x448 image + a question on a random Qwen3-VL-2B-shaped model (bench/README.md)
 .PHONY: bench-vision
 bench-vision: build

@@ -10,11 +10,11 @@ cache (common.SHAPES["qwen3-embedding-0.6b"]). A case is a request of N texts (1
 whose lengths are drawn uniformly from 32..512 tokens (fresh random texts each repetition,
 the same texts for both engines): Kestrel through `Engine.embed` in-process (the path of the
 RPC method and the HTTP routes, without the transport), llama.cpp through llama-cpp-python's
-`Llama.embed` with embedding=True and the file's pooling, which packs several texts into one
-batch of n_batch tokens (Kestrel runs each text as its own forward: its pass has no mask
-between sequences). Each engine tokenizes the texts itself (the appended EOS included) and
-its own token count gives its tokens/s. The two run alternately (the first one swaps every
-repetition) and the median of the repetitions is reported. Both are warmed up once.
+`Llama.embed` with embedding=True and the file's pooling. Both pack several texts into one
+pass: llama.cpp up to n_ubatch tokens, Kestrel up to its prefill chunk. Each engine tokenizes
+the texts itself (the appended EOS included) and its own token count gives its tokens/s. The
+two run alternately (the first one swaps every repetition) and the median of the repetitions
+is reported. Both are warmed up once.
 """
 from __future__ import annotations
 
@@ -39,16 +39,20 @@ from kestreld.service.config import default_cache_dir
 
 FULL = ((1, 32, 512), (16, 32, 512), (128, 32, 512))     # (texts, shortest, longest tokens)
 QUICK = ((1, 32, 64), (16, 32, 64))
-N_BATCH = 2048                  # llama.cpp's batch: several texts per decode
+N_BATCH, N_UBATCH = 2048, 512    # llama.cpp server's defaults: texts per decode, per pass
+
+
+WORDS = ("the of and to in is was for on that with as by at from it an be this are have "
+         "which or one had not but what all were when we there can model cache board").split()
 
 
 def random_texts(rng, tokenizer, n: int, lo: int, hi: int) -> list:
-    """n texts of about lo..hi tokens: random ordinary ids (no special tokens), decoded."""
-    specials = tokenizer.control_ids | tokenizer.eos_ids
+    """n texts of lo..hi tokens (give or take one, before the end-of-text the model appends):
+    random words, cut after that many tokens. (Decoding random ids would not do: the text
+    tokenizes back into other, more tokens.)"""
     out = []
     for length in rng.integers(lo, hi + 1, n):
-        ids = [int(i) for i in rng.integers(0, tokenizer.vocab_size, length * 2)
-               if int(i) not in specials][:length]
+        ids = tokenizer.encode(" ".join(rng.choice(WORDS, length)))[:length]
         out.append(tokenizer.decode(ids))
     return out
 
@@ -67,9 +71,11 @@ class Kestrel:
 
 class LlamaCpp:
     def __init__(self, path: str, threads: int, max_seq: int):
+        # flash attention: llama.cpp's server turns it on for the CPU ("auto"), and without it
+        # a batch's attention is a full n_ubatch x n_ubatch product for every head
         self.llm = open_llama(path, True, embedding=True, n_ctx=max_seq, n_batch=N_BATCH,
-                              n_ubatch=N_BATCH, n_threads=threads, n_threads_batch=threads,
-                              verbose=False)
+                              n_ubatch=N_UBATCH, n_threads=threads, n_threads_batch=threads,
+                              flash_attn=True, verbose=False)
 
     def embed(self, texts: list) -> tuple:
         t0 = time.perf_counter()
@@ -84,12 +90,12 @@ def fmt(x: float, digits: int = 1) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2, help="threads for both engines (default 2)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, --quick 1)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="repetitions (default 3, 1 for 128 texts and with --quick)")
     p.add_argument("--quick", action="store_true", help="small sizes: checks the harness works")
     p.add_argument("--model", help="an embedding GGUF (default: the random Qwen3-Embedding-"
                                    "0.6B-shaped Q8_0 file, written once into the cache)")
     args = p.parse_args(argv)
-    reps = args.reps or (1 if args.quick else 3)
     path = args.model or shaped_path(default_cache_dir(os.environ), "qwen3-embedding-0.6b", "Q8_0")
     max_seq = 1024
     engines = {"kestrel": Kestrel(path, args.threads, max_seq)}
@@ -106,6 +112,7 @@ def main(argv=None) -> int:
     rows = ["| texts | tokens each | engine | inputs/s | tokens/s | Kestrel / llama.cpp |",
             "|---:|---|---|---:|---:|---:|"]
     for n, lo, hi in (QUICK if args.quick else FULL):
+        reps = args.reps or (1 if args.quick or n >= 128 else 3)
         runs = {name: [] for name in engines}
         order = list(engines)
         for _ in range(reps):
@@ -121,8 +128,9 @@ def main(argv=None) -> int:
             rows.append(f"| {n} | {lo}..{hi} | {name} | {fmt(ips, 2)} | {fmt(tps)} | "
                         f"{fmt(ratio, 2) if name == 'kestrel' else ''} |")
         print(f"{n} texts done", file=sys.stderr)
-    print(f"\n{os.path.basename(path)}, threads {args.threads}, median of {reps}; llama.cpp "
-          f"n_batch = n_ubatch = {N_BATCH}"
+    print(f"\n{os.path.basename(path)}, threads {args.threads}, the median of "
+          f"{args.reps or (1 if args.quick else '3 (128 texts: 1)')} repetitions; llama.cpp "
+          f"n_batch {N_BATCH}, n_ubatch {N_UBATCH}, flash attention"
           + ("" if "llama.cpp" in engines else ", llama-cpp-python not installed"))
     print()
     print("\n".join(rows))
