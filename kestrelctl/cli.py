@@ -9,7 +9,8 @@
                                         context, chat template, file, KV arena
     kestrelctl embed TEXT... [--dimensions D]   one JSON line per TEXT (or stdin's lines):
                                         {"index", "text", "embedding"}
-    kestrelctl rerank QUERY DOC... [--top-n N]  one JSON line per document, best first:
+    kestrelctl rerank QUERY DOC... [--top-n N] [--instruction TEXT]
+                                        one JSON line per document, best first:
                                         {"index", "relevance_score", "document"}
     kestrelctl status [--json] | tokenize [TEXT] | ping
     kestrelctl completion bash|zsh      a shell completion script (docs/client.md: how to install)
@@ -116,7 +117,7 @@ def cmd_embed(client: Client, args) -> int:
 
 
 def cmd_rerank(client: Client, args) -> int:
-    r = client.rerank(args.query, args.documents, top_n=args.top_n)
+    r = client.rerank(args.query, args.documents, top_n=args.top_n, instruction=args.instruction)
     for x in r["results"]:
         print(json.dumps({**x, "document": args.documents[x["index"]]}, ensure_ascii=False))
     return 0
@@ -197,6 +198,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("query")
     r.add_argument("documents", nargs="+", metavar="DOC")
     r.add_argument("--top-n", type=int, help="list only the N best")
+    r.add_argument("--instruction", help="the task, in the reranker's prompt (default: the "
+                                         "model's, e.g. web search)")
     r.set_defaults(run=cmd_rerank)
     sub.add_parser("ping", help="is the daemon there?").set_defaults(run=cmd_ping)
     k = sub.add_parser("completion", help="print a completion script for bash or zsh")

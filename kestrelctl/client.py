@@ -238,11 +238,13 @@ class Client:
             params["dimensions"] = dimensions
         return self.call("embed", params)
 
-    def rerank(self, query: str, documents: list, top_n: Optional[int] = None) -> dict:
+    def rerank(self, query: str, documents: list, top_n: Optional[int] = None,
+               instruction: Optional[str] = None) -> dict:
         """The `rerank` result map: `results` [{"index", "relevance_score"}], best first."""
         params = {"query": query, "documents": list(documents)}
-        if top_n is not None:
-            params["top_n"] = top_n
+        for name, value in (("top_n", top_n), ("instruction", instruction)):
+            if value is not None:
+                params[name] = value
         return self.call("rerank", params)
 
     def tokenize(self, text: str, add_special: bool = False) -> list:

@@ -114,10 +114,12 @@ class EmbedParams:
 @dataclass(frozen=True)
 class RerankParams:
     """`rerank`: `documents` (texts) scored against `query`; `top_n`: how many of the best
-    the answer lists (None: all)."""
+    the answer lists (None: all); `instruction`: the task, in the reranker's prompt (None:
+    the model's default)."""
     query: str
     documents: tuple
     top_n: Optional[int]
+    instruction: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -595,7 +597,7 @@ _FIELDS = {  # method -> its own parameter names (besides the options of generat
     "chat": ("messages", "enable_thinking", "split_reasoning", "tools", "tool_choice",
              "parallel_tool_calls", "stream"),
     "embed": ("input", "dimensions", "truncate"),
-    "rerank": ("query", "documents", "top_n"),
+    "rerank": ("query", "documents", "top_n", "instruction"),
     "tokenize": ("text", "add_special"),
     "detokenize": ("ids",),
     "cancel": ("id",),
@@ -683,9 +685,10 @@ def validate_params(method: str, params, vocab_size: int,
         if len(docs) > MAX_EMBED_INPUTS:
             raise BadRequest(f"documents holds {len(docs)}; at most {MAX_EMBED_INPUTS} per "
                              "request")
-        top_n = p.get("top_n")
+        top_n, instruction = p.get("top_n"), p.get("instruction")
         return RerankParams(_str("query", p["query"]), tuple(docs),
-                            None if top_n is None else _int("top_n", top_n, 1))
+                            None if top_n is None else _int("top_n", top_n, 1),
+                            None if instruction is None else _str("instruction", instruction))
     if method == "tokenize":
         if "text" not in p:
             raise BadRequest("tokenize needs text (str)")

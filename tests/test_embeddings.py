@@ -191,10 +191,19 @@ def test_rerank_through_rpc_and_http(tmp_path):
             jina = http.post("/rerank", json={"query": query,
                                               "documents": [{"text": t} for t in docs]}).json()
             bad = http.post("/v1/rerank", json={"query": query, "documents": []})
+            # this file's rerank template has no instruction to replace (test_rerank.py)
+            told = http.post("/v1/rerank", json={"query": query, "documents": docs,
+                                                 "instruction": "Find the code"})
+            typo = http.post("/v1/rerank", json={"query": query, "documents": docs,
+                                                 "instruction": 3})
             embed = http.post("/v1/embeddings", json={"input": "a"})
         out = subprocess.run([sys.executable, "-m", "kestrelctl", "--socket", d.socket, "rerank",
                               query, *docs, "--top-n", "2"], cwd=REPO, env=daemon_env(),
                              capture_output=True, text=True, timeout=120)
+        told_ctl = subprocess.run([sys.executable, "-m", "kestrelctl", "--socket", d.socket,
+                                   "rerank", query, *docs, "--instruction", "Find the code"],
+                                  cwd=REPO, env=daemon_env(), capture_output=True, text=True,
+                                  timeout=120)
     scores = [x["relevance_score"] for x in rpc["results"]]
     assert sorted(x["index"] for x in rpc["results"]) == [0, 1, 2]
     assert scores == sorted(scores, reverse=True) and all(0 < s < 1 for s in scores)
@@ -204,4 +213,7 @@ def test_rerank_through_rpc_and_http(tmp_path):
     assert [x["document"] for x in lines] == [docs[x["index"]] for x in r["results"]]
     assert r["usage"]["prompt_tokens"] == rpc["usage"]["prompt_tokens"] > 0
     assert bad.status_code == 400 and "documents" in bad.json()["error"]["message"]
+    assert told.status_code == 400 and "no instruction" in told.json()["error"]["message"]
+    assert typo.status_code == 400 and "instruction" in typo.json()["error"]["message"]
+    assert told_ctl.returncode != 0 and "no instruction" in told_ctl.stderr
     assert embed.status_code == 400 and "a reranker" in embed.json()["error"]["message"]

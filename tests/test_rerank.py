@@ -10,8 +10,8 @@ import pytest
 import modelgen_embed
 from kestreld.engine.embed import EmbedInput
 from kestreld.engine.generate import Engine
-from kestreld.engine.rerank import QWEN3_TEMPLATE, RerankInput
-from kestreld.errors import NotEmbeddingModel
+from kestreld.engine.rerank import DEFAULT_INSTRUCTION, QWEN3_TEMPLATE, RerankInput
+from kestreld.errors import BadRequest, NotEmbeddingModel
 from kestreld.model.load import load_model
 
 QUERY = "Where does the kestrel build its nest?"
@@ -84,3 +84,22 @@ def test_a_model_that_does_not_rerank_says_why(zoo):
     with pytest.raises(NotEmbeddingModel, match="no \"yes\" and \"no\" tokens"):
         e.reranker.run(RerankInput("q", ("d",)))
     assert "{query}" in QWEN3_TEMPLATE and "{document}" in QWEN3_TEMPLATE
+
+
+def test_an_instruction_goes_into_the_prompt(model):
+    """The file's template here has no instruction: a request with one is refused. Qwen3-
+    Reranker's own template (the one used without a file's) takes the request's, its default
+    otherwise; a file's template with the default written in (as llama.cpp's converter
+    writes it) has it replaced."""
+    e = Engine(load_model(str(model.gguf["q8_0"])), max_seq=512, threads=2)
+    with pytest.raises(BadRequest, match="no instruction"):
+        e.reranker.run(RerankInput(QUERY, DOCS, instruction="Find the code"))
+    e.reranker.template = QWEN3_TEMPLATE
+    plain = e.reranker.run(RerankInput(QUERY, DOCS))
+    same = e.reranker.run(RerankInput(QUERY, DOCS, instruction=DEFAULT_INSTRUCTION))
+    code = e.reranker.run(RerankInput(QUERY, DOCS, instruction="Find the code"))
+    assert same.scores == plain.scores and code.scores != plain.scores
+    assert code.prompt_tokens < plain.prompt_tokens         # a shorter instruction
+    e.reranker.template = QWEN3_TEMPLATE.replace("{instruction}", DEFAULT_INSTRUCTION)
+    again = e.reranker.run(RerankInput(QUERY, DOCS, instruction="Find the code"))
+    assert again.scores == code.scores

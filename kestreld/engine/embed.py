@@ -131,13 +131,16 @@ class Embedder:
         return Embeddings(vectors, sum(len(ids) for ids in inputs), cached,
                           (time.perf_counter() - t0) * 1e3)
 
-    def pooled_rows(self, inputs: list, pooling: str, should_stop=None) -> tuple:
+    def pooled_rows(self, inputs: list, pooling: str, should_stop=None,
+                    pack: bool = True) -> tuple:
         """(each input's pooled row after the output norm, float64; tokens of KV reused).
-        The arena's valid rows and keys are as before afterwards when they were another
-        request's; empty, or what the last call left, they become the last input's."""
+        `pack`: short inputs share passes; else each runs alone, reusing the KV prefix it
+        shares with the one before (inputs that all begin alike). The arena's valid rows and
+        keys are as before afterwards when they were another request's; empty, or what the
+        last call left, they become one input's (the last pass's first)."""
         before = self.kv.keys
         feeds = [ids[:1] if pooling == "cls" else ids for ids in inputs]
-        packs = self._packs([len(f) for f in feeds])
+        packs = self._packs([len(f) for f in feeds]) if pack else [[i] for i in range(len(feeds))]
         if not before or before == self._left:
             out = self._each_pooled(inputs, feeds, packs, pooling, should_stop)
             self._left = self.kv.keys

@@ -6,11 +6,14 @@ softmax(head . h)[yes] = sigmoid((row_yes - row_no) . h), h the last token's row
 output norm. The head is llama.cpp's `cls.output.weight` in a GGUF converted as a reranker
 (`pooling_type` RANK: the output matrix's rows of "yes" and "no"), else those two rows of
 the output matrix (a Hugging Face directory, or a GGUF with --pooling rank). The prompt is
-the file's `tokenizer.chat_template.rerank` ({query}, {document}), else Qwen3-Reranker's.
+the file's `tokenizer.chat_template.rerank` ({query}, {document}), else Qwen3-Reranker's. A
+request's instruction replaces the template's {instruction}, or Qwen3-Reranker's default
+instruction where a file's template has it written in (llama.cpp's converter writes it so).
 
-Every document's prompt begins with the same system text and query, so after the first
-the prefix rule reuses their KV (engine/embed.py's `pooled_rows`, last-token rows): each
-further document costs only its own tokens.
+Every document's prompt begins with the same system text, instruction and query, so after
+the first the prefix rule reuses their KV (engine/embed.py's `pooled_rows`, last-token rows,
+unpacked): each further document costs only its own tokens, where packing the prompts in one
+pass would compute that common beginning once per document.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import NotEmbeddingModel, PromptTooLong
+from ..errors import BadRequest, NotEmbeddingModel, PromptTooLong
 from ..kernels import K
 from ..protocol import MAX_EMBED_TOKENS
 
@@ -28,17 +31,18 @@ DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that
 QWEN3_TEMPLATE = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
     "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
-    "<|im_start|>user\n<Instruct>: " + DEFAULT_INSTRUCTION + "\n<Query>: {query}\n"
+    "<|im_start|>user\n<Instruct>: {instruction}\n<Query>: {query}\n"
     "<Document>: {document}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 @dataclass(frozen=True)
 class RerankInput:
     """A rerank request: the query and the documents (texts); `top_n`: how many of the
-    best the answer lists (None: all)."""
+    best the answer lists (None: all); `instruction`: the task (None: the template's)."""
     query: str
     documents: tuple
     top_n: Optional[int] = None
+    instruction: Optional[str] = None
 
 
 @dataclass
@@ -81,6 +85,17 @@ class Reranker:
         self.template = model.rerank_template or QWEN3_TEMPLATE
         self.head = head_rows(model) if pooling == "rank" else None
 
+    def instructed(self, instruction: Optional[str]) -> str:
+        """The template with the instruction in (BadRequest if it has no place for one)."""
+        if "{instruction}" in self.template:
+            return self.template.replace("{instruction}", instruction or DEFAULT_INSTRUCTION)
+        if instruction is None:
+            return self.template
+        if DEFAULT_INSTRUCTION not in self.template:
+            raise BadRequest(f"{self.model_name}'s rerank template has no instruction to "
+                             f"replace; send the request without one")
+        return self.template.replace(DEFAULT_INSTRUCTION, instruction)
+
     def run(self, request: RerankInput, should_stop=None) -> Ranking:
         """Each document's relevance score (Cancelled if `should_stop` says stop)."""
         t0 = time.perf_counter()
@@ -90,9 +105,10 @@ class Reranker:
             raise NotEmbeddingModel(f"{self.model_name} cannot rerank: {why}; a Qwen3-Reranker "
                                     f"GGUF, or --pooling rank with such a model, can")
         prompts = self.embedder.prompts
+        template = self.instructed(request.instruction)
         inputs, total = [], 0
         for i, doc in enumerate(request.documents):
-            text = self.template.replace("{query}", request.query).replace("{document}", doc)
+            text = template.replace("{query}", request.query).replace("{document}", doc)
             ids = prompts.tokenize(text, add_special=True)
             total += len(ids)
             if len(ids) > self.embedder.kv.max_seq or total > MAX_EMBED_TOKENS:
@@ -100,7 +116,7 @@ class Reranker:
                                     f"context holds {self.embedder.kv.max_seq}), the request "
                                     f"{total} (at most {MAX_EMBED_TOKENS})")
             inputs.append(ids)
-        rows, cached = self.embedder.pooled_rows(inputs, "last", should_stop)
+        rows, cached = self.embedder.pooled_rows(inputs, "last", should_stop, pack=False)
         yes_no = np.stack(rows) @ self.head.astype(np.float64).T
         scores = 1.0 / (1.0 + np.exp(yes_no[:, 1] - yes_no[:, 0]))
         return Ranking([float(s) for s in scores], total, cached,

@@ -71,7 +71,7 @@ def ollama_params(body, model_id: str, strict: tuple = ()) -> dict:
 
 def rerank_params(body, model_id: str, strict: tuple = ()) -> dict:
     """A rerank body (llama.cpp's, Jina's: `query`, `documents` as strings or {"text"}
-    objects, `top_n`) -> the RPC `rerank` params."""
+    objects, `top_n`; Kestrel's `instruction`) -> the RPC `rerank` params."""
     body = check_object(body)
     check_model(body, model_id, strict)
     docs = body.get("documents")
@@ -79,8 +79,9 @@ def rerank_params(body, model_id: str, strict: tuple = ()) -> dict:
         docs = [d["text"] if isinstance(d, dict) and isinstance(d.get("text"), str) else d
                 for d in docs]
     params = {"query": body.get("query"), "documents": docs}
-    if body.get("top_n") is not None:
-        params["top_n"] = body["top_n"]
+    for name in ("top_n", "instruction"):
+        if body.get(name) is not None:
+            params[name] = body[name]
     return params
 
 

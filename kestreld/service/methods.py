@@ -170,7 +170,8 @@ class Methods:
         if isinstance(params, (EmbedParams, RerankParams)):
             embed = isinstance(params, EmbedParams)
             request = (EmbedInput(params.inputs, params.dimensions, params.truncate) if embed
-                       else RerankInput(params.query, params.documents, params.top_n))
+                       else RerankInput(params.query, params.documents, params.top_n,
+                                        params.instruction))
             job = Job(conn_id=conn_id, msgid=msgid, request=request, options=None,
                       stream=False, on_event=on_event, transport=transport,
                       endpoint=endpoint or ("embed" if embed else "rerank"))
