@@ -208,6 +208,24 @@ def test_generation_with_an_image_and_prefix_reuse(vl):
     assert miss.images.encoded == 1
 
 
+def test_speculation_after_an_image_gives_the_same_ids(vl):
+    """Drafts from the text after an image (never its placeholder tokens), verified at M-RoPE
+    positions shifted by the image: greedy and seeded answers are the same ids and logprobs
+    as without speculation."""
+    model = vl["model"]
+    text = "The kestrel nests in the old tower by the river. " * 3 + "Say it again."
+    for opts in (SamplingOptions(max_tokens=40, ignore_eos=True, logprobs=2),
+                 SamplingOptions(max_tokens=40, ignore_eos=True, temperature=0.8, seed=3)):
+        runs = []
+        for speculate in (True, False):
+            engine = Engine(model, max_seq=400, threads=2, prefill_chunk=64, speculate=speculate)
+            ids, vp = chat_prompt(engine, _chat(vl["images"][1], text))
+            runs.append(engine.generate(Prompt(ids, vp), opts))
+        on, off = runs
+        assert on.ids == off.ids and on.logprobs == off.logprobs
+        assert on.accepted_tokens > 0 and off.drafted_tokens == 0
+
+
 def test_text_prompt_with_placeholders_but_no_image_is_refused(vl):
     engine = Engine(vl["model"], max_seq=64, threads=1)
     with pytest.raises(BadRequest, match="no images"):
