@@ -85,7 +85,7 @@ bench-30b: build
 	$(PY) bench/moe30b.py --threads $(THREADS)
 
 # Both engines as the A76 runs them, by the aarch64 instructions they execute under qemu (no
-# board needed; cross-builds llama.cpp once; bench/README.md)
+# board needed; cross-builds llama.cpp once; bench/README.md), then Kestrel's k-cost curve
 .PHONY: bench-arm64
 bench-arm64: $(VENV)/.deps
 	SMOLLM2=$(SMOLLM2) $(ARM64) prepare $(PY)

@@ -16,6 +16,13 @@ instructions per prefill token and per decode step, all and SIMD / floating-poin
 processing apart, and llama.cpp's count over Kestrel's (above 1: Kestrel does less work).
 Everything a token costs is in it: Python orchestration, sampling, attention, the products.
 
+Then, for speculation (bench/speculate.py), Kestrel's k-cost curve on the A76's sdot tiles:
+the instructions of one forward pass over k = 1, 2, 4, 8, 16 tokens with every row's logits,
+after 200 tokens (as bench/speculate.py's curve), relative to k = 1 (`--ks`; "" skips it, `--k-cost-only` skips the
+comparison). A pass that verifies k drafted tokens pays off when it costs less than the
+tokens it is expected to yield; by instructions, not by time (decode on a board is DRAM-bound,
+so a k-token pass costs at least one token's time).
+
 What it says of speed: prefill on an A76 is bound by its two SIMD pipes, so its time follows
 these counts roughly (not exactly: instructions differ in cost, and cache misses are not
 counted). Decode on 4 A76 cores is bound by DRAM for both engines, so a lower count there is
@@ -198,6 +205,28 @@ def guest(engine: str, path: str, prefill: int, decode: int, depth: int) -> None
         shutil.copyfile("/proc/self/maps", os.environ["KESTREL_GUEST_MAPS"])
 
 
+K_COST_DEPTH = 200      # the context before the k-cost passes, as bench/speculate.py's
+
+
+def guest_k_cost(path: str, depth: int, ks: list) -> None:
+    """Kestrel only: after `depth` tokens, one forward pass over each k of ks tokens (every
+    row's logits, as speculation verifies a draft), each between marks. One thread."""
+    import numpy as np
+    from kestreld.engine.generate import Engine
+    from kestreld.model.load import load_model
+    model = load_model(path)
+    engine = Engine(model, max_seq=depth + max(ks) + 8, threads=1)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(256, min(model.config.vocab, 49152), depth + max(ks)).tolist()
+    out = np.empty((max(ks), model.config.vocab), np.float32)
+    engine.forward_logits(ids[:depth], 0)
+    for k in [ks[0]] + ks:                  # the first pass again: a warm-up
+        engine.kv.truncate(depth)
+        mark()
+        engine.forward(ids[depth:depth + k], logits_out=out[:k])
+    mark()
+
+
 # ---------------------------------------------------------------- the host side
 
 
@@ -212,13 +241,40 @@ def count(engine: str, path: str, args, tools: dict) -> dict:
     """Instructions per prefill token and per decode step of one engine on one file, all and
     SIMD ("prefill", "prefill SIMD", ...); with args.profile, also "profile" (profile's) of the
     measured work."""
+    marked, prof = run_marked(engine, path, args, tools, 4)
+    out = {}
+    for col, kind in enumerate(("", " SIMD")):
+        m = [int(fields[col]) for fields in marked]
+        out["prefill" + kind] = (m[1] - m[0]) / args.prefill
+        out["decode" + kind] = ((m[3] - m[2]) - (m[2] - m[1])) / args.decode
+    if prof is not None:
+        out["profile"] = prof
+    return out
+
+
+def k_cost(path: str, args, tools: dict) -> dict:
+    """k -> instructions of Kestrel's pass over k tokens (guest_k_cost)."""
+    ks = parse_ks(args.ks)
+    marked, _ = run_marked("k-cost", path, args, tools, len(ks) + 2)
+    m = [int(fields[0]) for fields in marked]
+    return {k: m[i + 2] - m[i + 1] for i, k in enumerate(ks)}
+
+
+def parse_ks(text: str) -> list:
+    return [int(k) for k in text.split(",") if k]
+
+
+def run_marked(engine: str, path: str, args, tools: dict, n_marks: int) -> tuple:
+    """(the plugin's n_marks counts [all, SIMD] at the guest's marks, profile's list or None):
+    the guest `engine` on one file under the counting qemu."""
     root = tools["root"]
     with tempfile.TemporaryDirectory(dir=tools["work"]) as tmp:
         marks, blocks, maps = (os.path.join(tmp, n) for n in ("marks", "blocks", "maps"))
         plugin_args = f"{tools['plugin']},out={marks}"
+        llama = [tools["llama_py"]] if "llama_py" in tools else []    # built for the comparison
         guest_env = {"PYTHONPATH": os.pathsep.join(
-                         [GUEST_VENV, tools["llama_py"], REPO, os.path.join(REPO, "bench")]),
-                     "LLAMA_CPP_LIB_PATH": tools["llama_libs"], "OMP_NUM_THREADS": "1"}
+                         [GUEST_VENV, *llama, REPO, os.path.join(REPO, "bench")]),
+                     "LLAMA_CPP_LIB_PATH": tools.get("llama_libs", ""), "OMP_NUM_THREADS": "1"}
         if args.profile:
             plugin_args += f",blocks={blocks}"
             guest_env["KESTREL_GUEST_MAPS"] = maps
@@ -226,19 +282,13 @@ def count(engine: str, path: str, args, tools: dict) -> dict:
         cmd = prefix + ["-L", root, os.path.join(root, "usr/bin/python3.11"),
                         os.path.abspath(__file__), "--guest", engine, "--model", path,
                         "--prefill", str(args.prefill), "--decode", str(args.decode),
-                        "--depth", str(args.depth)]
+                        "--depth", str(args.depth), "--ks", args.ks]
         run(cmd, os.path.join(tools["work"], f"guest-{engine}.log"), env=env)
         marked = [line.split() for line in open(marks)][:-1]     # the last: at exit
-        if len(marked) != 4:
-            raise SystemExit(f"arm64_vs_llamacpp: {engine}: {len(marked)} marks, expected 4")
-        out = {}
-        for col, kind in enumerate(("", " SIMD")):
-            m = [int(fields[col]) for fields in marked]
-            out["prefill" + kind] = (m[1] - m[0]) / args.prefill
-            out["decode" + kind] = ((m[3] - m[2]) - (m[2] - m[1])) / args.decode
-        if args.profile:
-            out["profile"] = profile(blocks, maps, root)
-    return out
+        if len(marked) != n_marks:
+            raise SystemExit(f"arm64_vs_llamacpp: {engine}: {len(marked)} marks, expected "
+                             f"{n_marks}")
+        return marked, profile(blocks, maps, root) if args.profile else None
 
 
 def profile(blocks: str, maps: str, root: str) -> list:
@@ -294,7 +344,11 @@ def parse_args(argv=None):
     p.add_argument("--count", nargs=argparse.REMAINDER, metavar="PROGRAM",
                    help="only run the aarch64 PROGRAM [ARGS...] under the counting qemu and "
                         "print the instructions it executed: all, SIMD (bench/arm64_insns.sh)")
-    p.add_argument("--guest", choices=["kestrel", "llama.cpp"], help=argparse.SUPPRESS)
+    p.add_argument("--ks", default="1,2,4,8,16",
+                   help="the k-cost curve's pass sizes (default 1,2,4,8,16; \"\": none)")
+    p.add_argument("--k-cost-only", action="store_true",
+                   help="only Kestrel's k-cost curve, not the comparison with llama.cpp")
+    p.add_argument("--guest", choices=["kestrel", "llama.cpp", "k-cost"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -318,6 +372,9 @@ def main(argv=None) -> int:
     if args.count:
         print(count_program(args.count))
         return 0
+    if args.guest == "k-cost":
+        guest_k_cost(args.model, K_COST_DEPTH, parse_ks(args.ks))
+        return 0
     if args.guest:
         guest(args.guest, args.model, args.prefill, args.decode, args.depth)
         return 0
@@ -326,18 +383,36 @@ def main(argv=None) -> int:
     work = cache_dir()
     os.makedirs(work, exist_ok=True)
     qemu, qemu_libs = qemu_user(work)
-    llama_py, llama_libs = llama_cpp_a76(work, LLAMA_CPP_VERSION)
     tools = {"root": arm64_root(), "work": work, "qemu": qemu, "qemu_libs": qemu_libs,
-             "plugin": plugin(work), "llama_py": llama_py, "llama_libs": llama_libs}
+             "plugin": plugin(work)}
+    paths = [(spec, model_path(spec, default_cache_dir(os.environ)))
+             for spec in args.models.split(",")]
+    if not args.k_cost_only:
+        tools["llama_py"], tools["llama_libs"] = llama_cpp_a76(work, LLAMA_CPP_VERSION)
+        compare(paths, args, tools, LLAMA_CPP_VERSION)
+    ks = parse_ks(args.ks)
+    if ks:
+        print(f"\nKestrel's pass over k tokens (every row's logits) after {K_COST_DEPTH} tokens, "
+              f"in instructions, relative to k = {ks[0]} (millions for k = {ks[0]})")
+        print("| model | " + " | ".join(f"k={k}" for k in ks) + " |")
+        print("|---|" + "---:|" * len(ks))
+        for spec, path in paths:
+            c = k_cost(path, args, tools)
+            print(f"| {spec} | {c[ks[0]] / 1e6:.0f} | "
+                  + " | ".join(f"{c[k] / c[ks[0]]:.2f}" for k in ks[1:]) + " |", flush=True)
+    return 0
+
+
+def compare(paths: list, args, tools: dict, version: str) -> None:
+    """The table of both engines' instructions per prefill token and decode step."""
     print(f"aarch64 instructions per token under qemu -cpu cortex-a76, 1 thread; prefill of "
           f"{args.prefill} tokens (cold), decode: {args.decode} steps after {args.depth} tokens; "
-          f"llama.cpp {LLAMA_CPP_VERSION} built for {A76_ARCH}, repacking on")
+          f"llama.cpp {version} built for {A76_ARCH}, repacking on")
     print("Millions of instructions per token, all / SIMD and FP data processing only; the "
           "ratio is llama.cpp's over Kestrel's (above 1: Kestrel does less)")
     print("| model | case | Kestrel | llama.cpp | ratio: all | ratio: SIMD |")
     print("|---|---|---:|---:|---:|---:|")
-    for spec in args.models.split(","):
-        path = model_path(spec, default_cache_dir(os.environ))
+    for spec, path in paths:
         k = count("kestrel", path, args, tools)
         l = count("llama.cpp", path, args, tools)
         for case in ("prefill", "decode"):
@@ -353,7 +428,6 @@ def main(argv=None) -> int:
                       f"{done_simd / 1e9:.2f} G SIMD; the top functions' shares of each:")
                 for n, v, sym in r["profile"][:args.profile]:
                     print(f"    {100 * n / done:5.1f}% {100 * v / done_simd:5.1f}%  {sym}")
-    return 0
 
 
 if __name__ == "__main__":
