@@ -677,10 +677,11 @@ KS_VNNI_FN __m512 ks_negate_t16(__m512 x)
 /* res[j * 16 + i] = out value of row i, token j < T (<= KS_VNNI_TOKENS_WIDE); rows >= rv /
  * tokens >= tv repeat the last valid one. xs[t * nb + b] = -128 * (sum of token t's block b).
  * il: w is an interleaved group of 16 rows (ks_interleave.h; rows >= rv are its padding): a block's
- * 16 scales and its 8 dwords of codes are each one vector as they lie. */
+ * 16 scales and its 8 dwords of codes are each one vector as they lie. pf (or NULL): block b
+ * prefetches the pf_step bytes at pf + b * pf_step. */
 KS_VNNI_FN void ks_q8_tile16_vnni(const int il, const int T, const uint8_t *w, int64_t w_stride,
                                   int rv, const int8_t *x, const float *xd, const int32_t *xs,
-                                  int tv, int nb, float *res)
+                                  int tv, int nb, float *res, const uint8_t *pf, int64_t pf_step)
 {
     const uint8_t *wp[16];
     const int8_t *xp[KS_VNNI_TOKENS_WIDE];
@@ -694,6 +695,8 @@ KS_VNNI_FN void ks_q8_tile16_vnni(const int il, const int T, const uint8_t *w, i
     for (int b = 0; b < nb; b++) {
         __m512i c[8];
         __m512 dw;
+        if (pf)
+            ks_prefetch_rows(pf + b * pf_step, pf_step, KS_PREFETCH_L2);
         if (il) {
             const uint8_t *blk = w + (int64_t)b * 16 * KS_QBLOCK;
             for (int q = 0; q < 8; q++)
@@ -732,16 +735,17 @@ KS_VNNI_FN void ks_q8_matmul_rows_t16(const int il, KS_ROWS_PARAMS)
                 xs[(t - tb) * nb + b] = -128 * ks_q8_block_sum(x->h + (int64_t)t * 2 * nb, b);
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
-            if (n == 1) {      /* decode */
+            if (n == 1) {      /* decode: no prefetch, which only slows this tile there */
                 ks_q8_tile16_vnni(il, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d, xs, 1,
-                                  nb, res);
+                                  nb, res, NULL, 0);
                 ks_q8_store_tile(16, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
-            const uint8_t *pf = NULL;     /* as decode's: the VNNI Q8_0 tile asks for none */
-#define KS_Q8_TILE16(TT, t, tv, tpf) (ks_q8_tile16_vnni(il, TT, w + (int64_t)r * w_stride, w_stride, \
-    rv, x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res), \
-    (void)(tpf))
+            const uint8_t *pf = n <= KS_PREFETCH_TOKENS && r + 16 < m
+                                ? w + (int64_t)(r + 16) * w_stride : NULL;
+#define KS_Q8_TILE16(TT, t, tv, tpf) ks_q8_tile16_vnni(il, TT, w + (int64_t)r * w_stride,       \
+    w_stride, rv, x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, \
+    nb, res, tpf, 16 * w_stride / nb)
             KS_T16_TOKEN_TILES(KS_Q8_TILE16)
 #undef KS_Q8_TILE16
         }
