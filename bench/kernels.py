@@ -7,6 +7,10 @@
 - decode of a small model's matrices (Q4_0 and Q4_K, the Qwen3-0.6B shape's 196 matrices of
   0.6-1.7 MB, interleaved): weight GB/s with each copy in its own array and with the copies in
   one buffer of huge pages, as the loader places them (kestreld/model/load.py);
+- the k-cost curve (`--k-cost-only` runs just it): per type, a product over n = 2, 4, 8, 16
+  tokens relative to one token on --k-threads threads (2), over the 1.7B shape's FFN matrices
+  (6144 x 2048, 0.4 GB in all, interleaved where the CPU has that): the price of a speculation
+  verification pass (kestreld/engine/speculate.py), which reads the weights once for n tokens;
 
 each on the rows as a GGUF file lays them out and, where this CPU has that product, on their
 copy interleaved as the loader makes it (ks_interleave.h; 16, 8 or 4 rows a group), one line
@@ -69,8 +73,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decode-gb", type=float, default=1.6, help="weight bytes of the decode case")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--k-threads", type=int, default=2, help="threads of the k-cost curve")
+    ap.add_argument("--k-cost-only", action="store_true", help="only the k-cost curve")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
+    if args.k_cost_only:
+        print_k_costs(rng, args.k_threads, args.reps)
+        return
     k = 8192
     xq, xd = activations(rng, 1, k)
     for qt in TYPES:
@@ -102,6 +111,43 @@ def main():
     for qt in (QT.Q4_0, QT.Q4_K):
         if K.interleaves(int(qt)):
             model_decode(rng, qt, args.reps)
+    print_k_costs(rng, args.k_threads, args.reps)
+
+
+# The k-cost curve's matrix (rows, cols): the 1.7B shape's FFN gate / up; and its token counts
+K_COST_SHAPE = (6144, 2048)
+K_COST_TOKENS = (1, 2, 4, 8, 16)
+
+
+def k_cost(ops, rng, qt, threads: int, reps: int, gb: float = 0.4) -> dict:
+    """{n: best seconds of the product over n tokens / best over 1 token} for n in
+    K_COST_TOKENS, and "one_ms": the one-token product's ms, on matrices of K_COST_SHAPE
+    totalling `gb` (more than the caches, as decode reads them), interleaved where this CPU has
+    that product; `ops`: a build's per-op kernels (scripts/ab_kernels.py loads two)."""
+    m, k = K_COST_SHAPE
+    w = random_blocks(rng, qt, m, k)
+    il = bool(K.interleaves(int(qt)))
+    mats = [K.interleave_rows(w, int(qt), k) if il else w.copy()
+            for _ in range(max(1, round(gb * 1e9 / w.nbytes)))]
+    best = {}
+    for n in K_COST_TOKENS:
+        xq, xd = activations(rng, n, k)
+        out = np.empty((n, m), np.float32)
+        best[n] = timed(lambda: [ops.matmul(wl, int(qt), xq, xd, out, threads, il)
+                                 for wl in mats], reps)[0]
+    return {n: best[n] / best[1] for n in K_COST_TOKENS} | {"one_ms": best[1] * 1e3}
+
+
+def print_k_costs(rng, threads: int, reps: int) -> None:
+    """The k-cost curve of every type, a table row each."""
+    print(f"\nk-cost: a product over n tokens / over one, {threads} threads, "
+          f"{K_COST_SHAPE[0]} x {K_COST_SHAPE[1]} matrices, 0.4 GB, best of {reps}")
+    print("| type | one token (ms) | " + " | ".join(f"n={n}" for n in K_COST_TOKENS[1:]) + " |")
+    print("|---|---:|" + "---:|" * (len(K_COST_TOKENS) - 1))
+    for qt in TYPES:
+        c = k_cost(O, rng, qt, threads, reps)
+        print(f"| {qt.name} | {c['one_ms']:.1f} | "
+              + " | ".join(f"{c[n]:.2f}" for n in K_COST_TOKENS[1:]) + " |", flush=True)
 
 
 # (rows, cols) of one Qwen3-0.6B layer's matrices: q, k, v, o, gate, up, down

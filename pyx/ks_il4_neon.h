@@ -24,7 +24,7 @@
 
 #if defined(KS_NEON_DOT)
 
-#define KS_IL4_TOKENS 8              /* tokens per prefill tile (4 for a last 4 or fewer) */
+#define KS_IL4_TOKENS 8              /* tokens per prefill tile (narrower at the end) */
 enum { KS_IL4_Q8_0 = KS_Q4X_Q5_0 + 1 };   /* the 32-value tile's formats: ks_q4.h's, and Q8_0 */
 
 /* acc + the 4 row sums of c[0..3] times the 16 activations x (chunk q of x against c[q]) */
@@ -247,8 +247,9 @@ KS_INLINE void ks_kq_tile_il4(const int kind, const int T, const uint8_t *g, con
 /* ---- the products (KS_ROWS_PARAMS; r0 a multiple of 4, row r's group at w + r * w_stride) -- */
 
 /* Decode in 4 x 1 tiles, each prefetching the next group's blocks as it goes (as the rows'
- * decode tiles do); prefill in tiles of 4 rows x 8 tokens (x 4 for a last 4 or fewer) over
- * blocks of KS_PREFILL_TOKEN_BLOCK tokens. kind: a ks_kquants.h kind (kq), else a 32-value
+ * decode tiles do); prefill in tiles of 4 rows x 8 tokens (x 4, 2 or 1 for the last few:
+ * KS_TOKEN_TILES, which prefetches as decode does in a pass of a few tokens) over blocks of
+ * KS_PREFILL_TOKEN_BLOCK tokens. kind: a ks_kquants.h kind (kq), else a 32-value
  * format. */
 KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
 {
@@ -280,14 +281,9 @@ KS_INLINE void ks_il4_matmul_rows(const int kq, const int kind, KS_ROWS_PARAMS)
                 ks_q8_store_tile(4, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
-            for (int t = tb; t < te; t += KS_IL4_TOKENS) {
-                const int tv = te - t < KS_IL4_TOKENS ? te - t : KS_IL4_TOKENS;
-                if (tv > KS_IL4_TOKENS / 2)
-                    KS_IL4_TILE(KS_IL4_TOKENS, t, tv, NULL);
-                else        /* a half tile: no lanes spent on repeated tokens */
-                    KS_IL4_TILE(KS_IL4_TOKENS / 2, t, tv, NULL);
-                ks_q8_store_tile(4, KS_IL4_TOKENS, res, out, m, r, rv, t, tv);
-            }
+            const uint8_t *pf = n <= KS_PREFETCH_TOKENS && r + 4 < m
+                                ? w + (int64_t)(r + 4) * w_stride : NULL;
+            KS_TOKEN_TILES(4, KS_IL4_TOKENS, KS_IL4_TILE)
         }
     }
 #undef KS_IL4_TILE

@@ -198,7 +198,8 @@ KS_TFN void KS_TN(ks_kq_tile)(const int kind, const int il, const int T, const u
 /* The product (the contract of the plain twin), on rows as the file lays them out (il 0) or
  * on groups of KS_TW interleaved rows (il 1: r0 a multiple of KS_TW, row r's group at
  * w + r * w_stride): decode in KS_TW x 1 tiles, prefetching the next; prefill in tiles of
- * KS_TW rows x up to KS_TTOKENS tokens over blocks of KS_PREFILL_TOKEN_BLOCK tokens. */
+ * KS_TW rows x up to KS_TTOKENS tokens over blocks of KS_PREFILL_TOKEN_BLOCK tokens
+ * (KS_TOKEN_TILES: a few tokens prefetch as decode does). */
 KS_TFN void KS_TN(ks_kq_matmul_rows)(const int kind, const int il, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, nsb = k / KS_QK_K, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
@@ -213,17 +214,19 @@ KS_TFN void KS_TN(ks_kq_matmul_rows)(const int kind, const int il, KS_ROWS_PARAM
                                  xs + (t - tb) * nb);
         for (int r = r0; r < r1; r += KS_TW) {
             const int rv = r1 - r < KS_TW ? r1 - r : KS_TW;
+            const uint8_t *next = r + KS_TW < m ? w + (int64_t)(r + KS_TW) * w_stride : NULL;
             if (n == 1) {
-                const uint8_t *next = r + KS_TW < m ? w + (int64_t)(r + KS_TW) * w_stride : NULL;
                 KS_TN(ks_kq_tile)(kind, il, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d,
                                   q6 ? NULL : xs, q6 ? x->h : NULL, 1, nsb, res, next,
                                   KS_TW * w_stride / nsb);
                 ks_q8_store_tile(KS_TW, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
-#define KS_KQ_TILE(TT, t, tv) KS_TN(ks_kq_tile)(kind, il, TT, w + (int64_t)r * w_stride, w_stride, \
-    rv, x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, q6 ? NULL : xs + ((t) - tb) * nb,  \
-    q6 ? x->h + (int64_t)(t) * 2 * nb : NULL, tv, nsb, res, NULL, 0)
+            const uint8_t *pf = n <= KS_PREFETCH_TOKENS ? next : NULL;
+#define KS_KQ_TILE(TT, t, tv, tpf) KS_TN(ks_kq_tile)(kind, il, TT, w + (int64_t)r * w_stride,    \
+    w_stride, rv, x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb,                          \
+    q6 ? NULL : xs + ((t) - tb) * nb, q6 ? x->h + (int64_t)(t) * 2 * nb : NULL, tv, nsb, res, \
+    tpf, KS_TW * w_stride / nsb)
             KS_T_TOKEN_TILES(KS_KQ_TILE)
 #undef KS_KQ_TILE
         }

@@ -127,7 +127,7 @@ KS_TFN void KS_TN(ks_q4x_tile)(const int f, const int il, const int T, const uin
  * w + r * w_stride): decode in KS_TW x 1 tiles, prefetching the next (taken at 16 rows; AVX2's
  * decode of file rows goes to ks_q4.h's 8 x 1 tile with horizontal sums before it gets here);
  * prefill in tiles of KS_TW rows x up to KS_TTOKENS tokens over blocks of
- * KS_PREFILL_TOKEN_BLOCK tokens. */
+ * KS_PREFILL_TOKEN_BLOCK tokens (KS_TOKEN_TILES: a few tokens prefetch as decode does). */
 KS_TFN void KS_TN(ks_q4x_matmul_rows)(const int f, const int il, KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK, tblock = n == 1 ? 1 : KS_PREFILL_TOKEN_BLOCK;
@@ -138,16 +138,17 @@ KS_TFN void KS_TN(ks_q4x_matmul_rows)(const int f, const int il, KS_ROWS_PARAMS)
         ks_q4x_block_sums(x->h + (int64_t)tb * 2 * nb, (int64_t)(te - tb) * nb, xs);
         for (int r = r0; r < r1; r += KS_TW) {
             const int rv = r1 - r < KS_TW ? r1 - r : KS_TW;
+            const uint8_t *next = r + KS_TW < m ? w + (int64_t)(r + KS_TW) * w_stride : NULL;
             if (n == 1) {
-                const uint8_t *next = r + KS_TW < m ? w + (int64_t)(r + KS_TW) * w_stride : NULL;
                 KS_TN(ks_q4x_tile)(f, il, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d,
                                    xs, 1, nb, res, next, KS_TW * w_stride / nb);
                 ks_q8_store_tile(KS_TW, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
-#define KS_Q4X_TILE(TT, t, tv) KS_TN(ks_q4x_tile)(f, il, TT, w + (int64_t)r * w_stride, w_stride, \
-    rv, x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res,  \
-    NULL, 0)
+            const uint8_t *pf = n <= KS_PREFETCH_TOKENS ? next : NULL;
+#define KS_Q4X_TILE(TT, t, tv, tpf) KS_TN(ks_q4x_tile)(f, il, TT, w + (int64_t)r * w_stride,     \
+    w_stride, rv, x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, \
+    nb, res, tpf, KS_TW * w_stride / nb)
             KS_T_TOKEN_TILES(KS_Q4X_TILE)
 #undef KS_Q4X_TILE
         }

@@ -279,14 +279,7 @@ KS_INLINE __m256i ks_dot_chunks_t8(__m256i acc, const __m256i *u, const int8_t *
                                  * the unpacking is the dearer part) */
 #define KS_T8_KQ_PAIRS 4        /* ks_kq_tile.h's unrolling */
 
-/* The tiles of rows r .. r + rv - 1 over the token block [tb, te) of a product's loop (out,
- * m, res in scope): TILE(T, t, tv) computes the tile of tokens t .. t + tv - 1 into res. */
-#define KS_T8_TOKEN_TILES(TILE)                                                                 \
-    for (int t = tb; t < te; t += KS_T8_TOKENS) {                                               \
-        const int tv = te - t < KS_T8_TOKENS ? te - t : KS_T8_TOKENS;                           \
-        TILE(KS_T8_TOKENS, t, tv);                                                              \
-        ks_q8_store_tile(8, KS_T8_TOKENS, res, out, m, r, rv, t, tv);                           \
-    }
+#define KS_T8_TOKEN_TILES(TILE) KS_TOKEN_TILES(8, KS_T8_TOKENS, TILE)
 
 /* 8 fp16 values at p[i] + off -> float lanes */
 KS_INLINE __m256 ks_fp16_lanes_t8(const uint8_t *const p[8], int64_t off)
@@ -468,29 +461,63 @@ KS_INLINE void ks_q8_store_tile(const int R, const int T, const float *res, floa
     }
 }
 
+/* The tiles of rows r .. r + rv - 1 over the token block [tb, te) of a product's loop (out,
+ * m, res and pf in scope): TILE(T, t, tv, pf) computes the tile of tokens t .. t + tv - 1 into
+ * res, T a constant in each call so that each width gets its own specialized loops. WIDE
+ * tokens while that many are left, then the narrowest of 8, 4, 2, 1 that holds the rest (or
+ * 8 of it), so a pass of a few tokens (speculation's verification) computes few padded
+ * lanes: a tile computes each token's lanes alone, so every width gives the same bits. The
+ * block's first tile passes pf on (the next rows, NULL: none), as decode's tile does: a pass
+ * of a few tokens reads its weights once, as decode does, and is as memory-bound. */
+#define KS_TOKEN_TILES(R, WIDE, TILE)                                                           \
+    for (int t = tb, T; t < te; t += T) {                                                       \
+        const int left = te - t;                                                                \
+        const uint8_t *tpf = t == tb ? pf : NULL;                                               \
+        T = left >= (WIDE) ? (WIDE) : left > 4 ? 8 : left > 2 ? 4 : left;                      \
+        const int tv = left < T ? left : T;                                                     \
+        if (T == (WIDE))                                                                        \
+            TILE((WIDE), t, tv, tpf);                                                           \
+        else if ((WIDE) > 8 && T == 8)                                                          \
+            TILE(8, t, tv, tpf);                                                                \
+        else if ((WIDE) > 4 && T == 4)                                                          \
+            TILE(4, t, tv, tpf);                                                                \
+        else if (T == 2)                                                                        \
+            TILE(2, t, tv, tpf);                                                                \
+        else                                                                                    \
+            TILE(1, t, tv, tpf);                                                                \
+        ks_q8_store_tile(R, T, res, out, m, r, rv, t, tv);                                      \
+    }
+
+/* Tokens of a pass whose products prefetch their next rows, as decode's do: up to a
+ * speculation's largest draft and then some (KS_TOKEN_TILES) */
+#define KS_PREFETCH_TOKENS 16
+
 #if defined(KS_AVX2)
 #define KS_Q8_T8_TOKENS 4    /* tokens per transposed AVX2 prefill tile */
 
-/* The AVX2 prefill tile: 8 rows x 4 tokens, res[j * 8 + i] = out value of row i, token j;
- * rows >= rv / tokens >= tv repeat the last valid one. As in the VNNI tile, the 8 rows'
- * blocks are transposed as dwords once per block for all 4 tokens, so lane i of every
+/* The AVX2 prefill tile: 8 rows x T <= 4 tokens, res[j * 8 + i] = out value of row i, token
+ * j; rows >= rv / tokens >= tv repeat the last valid one. As in the VNNI tile, the 8 rows'
+ * blocks are transposed as dwords once per block for all T tokens, so lane i of every
  * product is row i and a block's 8 exact row sums need no horizontal adds (which take about
  * half the work of a 4 x 2 tile). maddubs takes |w| unsigned and x with w's sign (x is
- * never -128), so every pair sum fits int16. Same fma(isum, dw * dx, acc) per block. */
-KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const int8_t *x,
-                             const float *xd, int tv, int nb, float res[8 * KS_Q8_T8_TOKENS])
+ * never -128), so every pair sum fits int16. Same fma(isum, dw * dx, acc) per block. pf (or
+ * NULL): block b prefetches the pf_step bytes at pf + b * pf_step. */
+KS_INLINE void ks_q8_tile_t8(const int T, const uint8_t *w, int64_t w_stride, int rv,
+                             const int8_t *x, const float *xd, int tv, int nb,
+                             float res[8 * KS_Q8_T8_TOKENS], const uint8_t *pf, int64_t pf_step)
 {
-    enum { T = KS_Q8_T8_TOKENS };
     const uint8_t *wp[8];
-    const int8_t *xp[8];
-    const float *dp[8];
+    const int8_t *xp[KS_Q8_T8_TOKENS];
+    const float *dp[KS_Q8_T8_TOKENS];
     ks_tile_inputs(8, T, w, w_stride, rv, x, xd, NULL, tv, nb, wp, xp, dp, NULL);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[T];
+    __m256 acc[KS_Q8_T8_TOKENS];
     for (int j = 0; j < T; j++)
         acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m256i c[8], a[8];
+        if (pf)
+            ks_prefetch_rows(pf + b * pf_step, pf_step, KS_PREFETCH_L2);
         ks_load_transposed_t8(wp, b * KS_QBLOCK + 2, c);
         for (int q = 0; q < 8; q++)
             a[q] = _mm256_abs_epi8(c[q]);
@@ -529,9 +556,8 @@ KS_INLINE void ks_q8_tile_t8(const uint8_t *w, int64_t w_stride, int rv, const i
 #define KS_VNNI_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f")))
 /* Tokens per tile: a whole token block where one is left, so each block of 16 rows is
  * unpacked once per token block (the unpacking, not the products, is what these tiles spend
- * most on), else 8 at a time (the last, partial block of a chunk). */
+ * most on); the rest of a chunk in narrower ones (KS_T16_TOKEN_TILES). */
 #define KS_VNNI_TOKENS_WIDE KS_PREFILL_TOKEN_BLOCK
-#define KS_VNNI_TOKENS 8
 
 static int ks_vnni_state = -1;   /* -1 unknown; set once (racing threads write the same value) */
 
@@ -562,19 +588,8 @@ static inline int ks_set_vnni(int on)
 #define KS_T16_TOKENS KS_VNNI_TOKENS_WIDE
 #define KS_T16_KQ_PAIRS 1
 
-/* As KS_T8_TOKEN_TILES: a wide tile while a whole one is left, then narrow ones, T a constant
- * in each call, so that each width gets its own specialized loops. */
-#define KS_T16_TOKEN_TILES(TILE)                                                                \
-    for (int t = tb; t < te;) {                                                                 \
-        const int T = te - t >= KS_VNNI_TOKENS_WIDE ? KS_VNNI_TOKENS_WIDE : KS_VNNI_TOKENS;     \
-        const int tv = te - t < T ? te - t : T;                                                 \
-        if (T == KS_VNNI_TOKENS_WIDE)                                                           \
-            TILE(KS_VNNI_TOKENS_WIDE, t, tv);                                                   \
-        else                                                                                    \
-            TILE(KS_VNNI_TOKENS, t, tv);                                                        \
-        ks_q8_store_tile(16, T, res, out, m, r, rv, t, tv);                                     \
-        t += T;                                                                                 \
-    }
+/* A whole token block's tile while one is left, then narrow ones (KS_TOKEN_TILES) */
+#define KS_T16_TOKEN_TILES(TILE) KS_TOKEN_TILES(16, KS_VNNI_TOKENS_WIDE, TILE)
 
 /* r[i] holds row i's 8 dwords in its low half and row 8 + i's in its high half; c[q] lane i
  * = dword q of row i, i < 16: ks_transpose8x8_epi32 done on both halves at once */
@@ -659,13 +674,14 @@ KS_VNNI_FN __m512 ks_negate_t16(__m512 x)
                                                 _mm512_set1_epi32((int)0x80000000u)));
 }
 
-/* res[j * 16 + i] = out value of row i, token j < T (KS_VNNI_TOKENS or _WIDE); rows >= rv /
+/* res[j * 16 + i] = out value of row i, token j < T (<= KS_VNNI_TOKENS_WIDE); rows >= rv /
  * tokens >= tv repeat the last valid one. xs[t * nb + b] = -128 * (sum of token t's block b).
  * il: w is an interleaved group of 16 rows (ks_interleave.h; rows >= rv are its padding): a block's
- * 16 scales and its 8 dwords of codes are each one vector as they lie. */
+ * 16 scales and its 8 dwords of codes are each one vector as they lie. pf (or NULL): block b
+ * prefetches the pf_step bytes at pf + b * pf_step. */
 KS_VNNI_FN void ks_q8_tile16_vnni(const int il, const int T, const uint8_t *w, int64_t w_stride,
                                   int rv, const int8_t *x, const float *xd, const int32_t *xs,
-                                  int tv, int nb, float *res)
+                                  int tv, int nb, float *res, const uint8_t *pf, int64_t pf_step)
 {
     const uint8_t *wp[16];
     const int8_t *xp[KS_VNNI_TOKENS_WIDE];
@@ -679,6 +695,8 @@ KS_VNNI_FN void ks_q8_tile16_vnni(const int il, const int T, const uint8_t *w, i
     for (int b = 0; b < nb; b++) {
         __m512i c[8];
         __m512 dw;
+        if (pf)
+            ks_prefetch_rows(pf + b * pf_step, pf_step, KS_PREFETCH_L2);
         if (il) {
             const uint8_t *blk = w + (int64_t)b * 16 * KS_QBLOCK;
             for (int q = 0; q < 8; q++)
@@ -717,14 +735,17 @@ KS_VNNI_FN void ks_q8_matmul_rows_t16(const int il, KS_ROWS_PARAMS)
                 xs[(t - tb) * nb + b] = -128 * ks_q8_block_sum(x->h + (int64_t)t * 2 * nb, b);
         for (int r = r0; r < r1; r += 16) {
             const int rv = r1 - r < 16 ? r1 - r : 16;
-            if (n == 1) {      /* decode */
+            if (n == 1) {      /* decode: no prefetch, which only slows this tile there */
                 ks_q8_tile16_vnni(il, 1, w + (int64_t)r * w_stride, w_stride, rv, x->q, x->d, xs, 1,
-                                  nb, res);
+                                  nb, res, NULL, 0);
                 ks_q8_store_tile(16, 1, res, out, m, r, rv, 0, 1);
                 continue;
             }
-#define KS_Q8_TILE16(TT, t, tv) ks_q8_tile16_vnni(il, TT, w + (int64_t)r * w_stride, w_stride, rv, \
-    x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, nb, res)
+            const uint8_t *pf = n <= KS_PREFETCH_TOKENS && r + 16 < m
+                                ? w + (int64_t)(r + 16) * w_stride : NULL;
+#define KS_Q8_TILE16(TT, t, tv, tpf) ks_q8_tile16_vnni(il, TT, w + (int64_t)r * w_stride,       \
+    w_stride, rv, x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, xs + ((t) - tb) * nb, tv, \
+    nb, res, tpf, 16 * w_stride / nb)
             KS_T16_TOKEN_TILES(KS_Q8_TILE16)
 #undef KS_Q8_TILE16
         }
@@ -737,14 +758,15 @@ KS_VNNI_TARGET static void ks_q8_matmul_rows_x16(KS_ROWS_PARAMS)
 #endif
 
 /* Same contract as ks_q8_matmul_rows_plain. Decode (n == 1): tiles of 8 rows; prefill: the
- * transposed 8-row x 4-token tiles on AVX2, tiles of 4 rows x 2 tokens on NEON, so each weight
- * block loaded feeds several tokens and each activation block several rows. AVX512-VNNI CPUs
+ * transposed 8-row x 4-token tiles on AVX2 (narrower at the end: KS_TOKEN_TILES), tiles of 4
+ * rows x 2 tokens on NEON, so each weight block loaded feeds several tokens and each
+ * activation block several rows. AVX512-VNNI CPUs
  * take ks_q8_matmul_rows_vnni instead (ks_weights.h's table); an interleaved matrix goes to
  * ks_q8_matmul_rows_x16 (AVX512-VNNI) or ks_il4_neon.h's ks_q8_matmul_rows_x4 (NEON with sdot). */
 static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
 {
     const int nb = k / KS_QK;
-    float res[8];
+    float res[8 * 4];       /* a tile's: 8 x 1 in decode, 8 x KS_Q8_T8_TOKENS or 4 x 2 */
     if (n == 1) {
         for (int r = r0; r < r1; r += 8) {
             const int rv = r1 - r < 8 ? r1 - r : 8;
@@ -757,27 +779,29 @@ static void ks_q8_matmul_rows(KS_ROWS_PARAMS)
         return;
     }
 #if defined(KS_AVX2)
-    enum { R = 8, T = KS_Q8_T8_TOKENS };
-    float res_t[R * T];
+    enum { R = 8 };
 #else
     enum { R = 4, T = 2 };
-    float *res_t = res;
 #endif
     for (int tb = 0; tb < n; tb += KS_PREFILL_TOKEN_BLOCK) {
         const int te = tb + KS_PREFILL_TOKEN_BLOCK < n ? tb + KS_PREFILL_TOKEN_BLOCK : n;
         for (int r = r0; r < r1; r += R) {
             const int rv = r1 - r < R ? r1 - r : R;
+#if defined(KS_AVX2)
+            const uint8_t *pf = n <= KS_PREFETCH_TOKENS && r + R < m
+                                ? w + (int64_t)(r + R) * w_stride : NULL;
+#define KS_Q8_TILE8(TT, t, tv, tpf) ks_q8_tile_t8(TT, w + (int64_t)r * w_stride, w_stride, rv,  \
+    x->q + (int64_t)(t) * k, x->d + (int64_t)(t) * nb, tv, nb, res, tpf, R * w_stride / nb)
+            KS_TOKEN_TILES(R, KS_Q8_T8_TOKENS, KS_Q8_TILE8)
+#undef KS_Q8_TILE8
+#else
             for (int t = tb; t < te; t += T) {
                 const int tv = te - t < T ? te - t : T;
-#if defined(KS_AVX2)
-                ks_q8_tile_t8(w + (int64_t)r * w_stride, w_stride, rv, x->q + (int64_t)t * k,
-                              x->d + (int64_t)t * nb, tv, nb, res_t);
-#else
                 ks_q8_tile(R, T, w + (int64_t)r * w_stride, w_stride, rv,
-                           x->q + (int64_t)t * k, x->d + (int64_t)t * nb, tv, nb, res_t, NULL, 0);
-#endif
-                ks_q8_store_tile(R, T, res_t, out, m, r, rv, t, tv);
+                           x->q + (int64_t)t * k, x->d + (int64_t)t * nb, tv, nb, res, NULL, 0);
+                ks_q8_store_tile(R, T, res, out, m, r, rv, t, tv);
             }
+#endif
         }
     }
 }

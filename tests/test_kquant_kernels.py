@@ -82,7 +82,8 @@ def test_dequantize_rows_equals_gguf_bit_for_bit(qtype, blocks):
 @pytest.mark.arm64
 @pytest.mark.parametrize("n,m,k", [(1, 1, 256), (1, 67, 2048), (1, 129, 512), (1, 29, 512),
                                    (2, 9, 256), (3, 33, 768), (5, 130, 256), (7, 45, 256),
-                                   (33, 20, 512), (67, 65, 1024)])
+                                   (11, 37, 512), (33, 20, 512), (42, 19, 256),
+                                   (67, 65, 1024)])
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
 def test_matmul_against_float64_and_plain_twin(qtype, n, m, k, vnni):
     rng = np.random.default_rng(n * 7 + m * 13 + k + int(qtype))

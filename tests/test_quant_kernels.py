@@ -101,7 +101,7 @@ def ref_matmul(w, qtype, xq, xd):
 @pytest.mark.arm64
 @pytest.mark.parametrize("n,m,k", [(1, 1, 32), (1, 67, 2048), (1, 129, 256), (3, 33, 64),
                                    (3, 5, 1024), (67, 65, 512), (67, 9, 2048), (2, 130, 96),
-                                   (33, 17, 160), (5, 45, 256)])
+                                   (33, 17, 160), (5, 45, 256), (11, 37, 128), (42, 19, 64)])
 @pytest.mark.parametrize("source", list(BLOCK_SOURCES))
 @pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
 def test_matmul_against_float64_and_plain_twin(qtype, source, n, m, k, vnni):
