@@ -20,8 +20,9 @@ from kestreld.model.load import load_model
 
 def test_the_longest_n_gram_s_most_recent_occurrence_is_continued():
     d = Drafter([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3], capacity=64)
-    # "2 3" ends the context: the 3-gram "1 2 3" occurred at 0, continued by 4 5 9 2
-    assert d.draft(room=4) == [4, 5, 9, 2]
+    # "2 3" ends the context: the 3-gram "1 2 3" occurred at 0, continued by 4 5 9 (a first
+    # draft is 3 tokens)
+    assert d.draft(room=4) == [4, 5, 9]
     d = Drafter([5, 2, 3, 6, 7, 8, 9, 2, 3, 1, 0, 2, 3], capacity=64)
     # no earlier "0 2 3": a 2-gram alone ("2 3") drafts nothing (too often a false lead)
     assert d.draft(room=8) == []
@@ -34,23 +35,23 @@ def test_a_draft_stops_before_an_excluded_id():
     assert d.draft(room=8) == [9]
 
 
-def test_the_draft_length_adapts_and_the_drafter_rests_after_useless_passes():
+def test_the_draft_length_fills_a_tile_and_the_drafter_rests_after_useless_passes():
     d = Drafter(list(range(10)) * 4, capacity=256)
-    assert len(d.draft(room=100)) == 4
-    d.verified(4, 4)
-    assert len(d.draft(room=100)) == 8
-    d.verified(8, 8)
-    assert len(d.draft(room=100)) == MAX_DRAFT
-    d.verified(8, 5)            # more than half taken: no rest, the length follows what was
-    assert len(d.draft(room=100)) == 6
-    d.verified(6, 2)            # less than half: rest 1 token, then 2, then 4
+    assert len(d.draft(room=100)) == 3          # passes of 4 and 8 tokens fill their tiles
+    d.verified(3, 3)
+    assert len(d.draft(room=100)) == 7 == MAX_DRAFT
+    d.verified(7, 7)
+    assert len(d.draft(room=100)) == 7
+    d.verified(7, 5)            # more than half taken: no rest; 6 wanted, a tile of 8
+    assert len(d.draft(room=100)) == 7
+    d.verified(7, 2)            # less than half: rest 1 token, then 2; 3 wanted
     assert d.draft(room=100) == [] and len(d.draft(room=100)) == 3
     d.verified(3, 0)
-    assert [len(d.draft(room=100)) for _ in range(3)] == [0, 0, 1]
-    d.verified(1, 1)            # a gain: the next useless pass rests 1 again
-    d.draft(room=100)
-    d.verified(2, 0)
-    assert [len(d.draft(room=100)) for _ in range(2)] == [0, 1]
+    assert [len(d.draft(room=100)) for _ in range(3)] == [0, 0, 3]
+    d.verified(3, 3)            # a gain: the next useless pass rests 1 again
+    assert len(d.draft(room=5)) == 5            # no more than the room
+    d.verified(5, 0)
+    assert [len(d.draft(room=100)) for _ in range(2)] == [0, 3]
 
 
 # ---- exact through the engine --------------------------------------------------------------

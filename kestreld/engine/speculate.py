@@ -14,11 +14,15 @@ the same ids as with `--no-speculate`. Rejected rows are cut from the KV cache.
 
 Draft sizes, chosen on SmolLM2's answers (docs/speculation.md has the measurements):
 the context's last 3-gram, its most recent earlier occurrence, continued for up to `length`
-tokens (a 2-gram alone was too often a false lead in open chat). `length` adapts: it doubles
-up to MAX_DRAFT after a draft accepted whole and drops to what was accepted plus one after a
-partial one. A pass over more tokens costs more than one, so after a pass that took less
-than half its draft the drafter rests for a number of tokens that doubles with each such
-pass in a row (up to MAX_REST) and starts again at 1 after a pass that gained.
+tokens (a 2-gram alone was too often a false lead in open chat). A pass is the draft plus the
+chosen token, and the products compute tokens in tiles of 1, 2, 4 or 8 (pyx/ks_q8.h's
+KS_TOKEN_TILES): a pass of 2-4 tokens costs little more than one token, and a 5th token
+starts the next width (docs/speculation.md has the figures). So `length` is 3 or 7, filling
+a tile: 3 at first, 7 after a draft of 3 accepted whole, and back to 3 after a draft of
+which fewer than 3 were taken. A pass over more tokens still costs more than one, so after a
+pass that took less than half its draft the drafter rests for a number of tokens that
+doubles with each such pass in a row (up to MAX_REST) and starts again at 1 after a pass
+that gained.
 """
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ from typing import Optional
 import numpy as np
 
 N_GRAMS = (3,)            # n-gram sizes matched, longest first
-MAX_DRAFT = 8             # most tokens drafted per pass
-FIRST_DRAFT = 4           # draft length of a request's first draft
+DRAFT_LENGTHS = (3, 7)    # a pass of a draft and the chosen token fills a tile of 4 or 8
+MAX_DRAFT = DRAFT_LENGTHS[-1]
 MAX_REST = 32             # most tokens decoded without drafting after passes that did not pay
 
 
@@ -44,7 +48,7 @@ class Drafter:
         self.n = min(len(context), capacity)
         self.ids[:self.n] = context[:self.n]
         self.exclude = np.array(sorted(exclude), np.int64)
-        self.length = FIRST_DRAFT
+        self.length = DRAFT_LENGTHS[0]
         self.rest = 0             # tokens to decode before drafting again
         self.rest_next = 1        # the next rest after a pass that does not pay
 
@@ -84,10 +88,8 @@ class Drafter:
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A pass of `drafted` tokens of which the first `accepted` were chosen."""
-        if accepted == drafted:
-            self.length = min(2 * self.length, MAX_DRAFT)
-        else:
-            self.length = max(accepted + 1, 1)
+        want = 2 * drafted + 1 if accepted == drafted else accepted + 1
+        self.length = next((n for n in DRAFT_LENGTHS if n >= want), MAX_DRAFT)
         if 2 * accepted < drafted:       # less than half taken: the pass cost more than it gave
             self.rest = self.rest_next
             self.rest_next = min(2 * self.rest_next, MAX_REST)
