@@ -175,8 +175,7 @@ def k_cost(path: str, threads: int, ks=(1, 2, 4, 8, 16), depth: int = 200, reps:
     e = Engine(model, max_seq=depth + max(ks) + 8, threads=threads)
     rng = np.random.default_rng(0)
     ids = rng.integers(256, min(model.config.vocab, 49152), depth + max(ks)).tolist()
-    e.kv.truncate(0)
-    e.forward(ids[:depth], logits_out=np.empty((depth, model.config.vocab), np.float32))
+    e.forward_logits(ids[:depth], 0)
     best = {}
     out = np.empty((max(ks), model.config.vocab), np.float32)
     for _ in range(reps):
