@@ -202,11 +202,11 @@ def test_the_only_client_given_path_is_a_chat_image_part():
     assert p.messages[0]["content"][0] == {"type": "image", "path": "/etc/hostname"}
     names = {n for fields in _FIELDS.values() for n in fields} | set(OPTION_CHECKS)
     # (tools, tool_choice and response_format carry JSON schemas and names; embed's input,
-    # rerank's query and documents are texts or ids; none is a path)
+    # rerank's query, documents and instruction are texts or ids; none is a path)
     assert names == {"prompt", "ids", "stream", "messages", "enable_thinking", "text",
                      "add_special", "id", "max_tokens", "temperature", "top_k", "top_p",
                      "min_p", "repeat_penalty", "seed", "stop", "ignore_eos", "logprobs",
                      "split_reasoning", "tools", "tool_choice", "presence_penalty",
                      "frequency_penalty", "response_format", "parallel_tool_calls",
                      "logit_bias", "speculate", "input", "dimensions", "truncate", "query",
-                     "documents", "top_n"}
+                     "documents", "top_n", "instruction"}
