@@ -54,11 +54,12 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
     head h reading KV head h // (n_heads // n_kv). Keys go in blocks of kv_bs (a power of two
     >= 16) through an online softmax, in segments of 256 keys from key 0 folded in order, so a
     query's output does not depend on n, pos0's chunking or nthreads. Work items: (16-token
-    tile, KV head) in prefill; (KV head, key segment) in decode (n == 1), folded per head
-    afterwards."""
+    tile, KV head) in prefill; (KV head, key segment) in decode and passes of up to 8 tokens,
+    folded per token and head afterwards."""
     cdef Py_ssize_t n = q.shape[0], n_heads = q.shape[1], hd = q.shape[2]
     cdef Py_ssize_t n_kv = kq.shape[0], max_seq = kq.shape[1]
     cdef Py_ssize_t G, it, n_tiles, n_items, t0, n_seg
+    cdef bint split
     cdef int64_t scratch_floats, part_floats
     cdef float *scratch = NULL
     cdef float *parts = NULL
@@ -81,26 +82,27 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
         return
     G = n_heads // n_kv
     try:
-        if n == 1:
-            n_seg = ks_attn_segments(pos0 + 1, kv_bs)
-            scratch_floats = ks_attn_scratch_floats(<int>G, <int>hd, kv_bs)
-            part_floats = ks_attn_part_floats(<int>G, <int>hd)
+        split = n <= KS_ATTN_SPLIT_TOKENS
+        if split:
+            n_seg = ks_attn_segments(pos0 + n, kv_bs)
+            scratch_floats = ks_attn_scratch_floats(<int>(n * G), <int>hd, kv_bs)
+            part_floats = ks_attn_part_floats(<int>(n * G), <int>hd)
             parts = <float *>malloc(n_kv * n_seg * part_floats * sizeof(float))
         else:
             scratch_floats = ks_attn_scratch_floats(<int>(KS_ATTN_TOKENS * G), <int>hd, kv_bs)
         scratch = <float *>malloc(nthreads * scratch_floats * sizeof(float))
-        if scratch == NULL or (n == 1 and parts == NULL):
+        if scratch == NULL or (split and parts == NULL):
             raise MemoryError("attention: no memory for the scratch buffers")
-        if n == 1:
+        if split:
             for it in prange(n_kv * n_seg, nogil=True, num_threads=nthreads, schedule="static"):
-                ks_attn_decode_item(&q[0, 0, 0], &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0], &vs[0, 0],
-                                    parts + it * part_floats, <int>n_heads, <int>n_kv, <int>hd,
-                                    <int>max_seq, pos0, scale, kv_bs,
-                                    <int>(it % n_seg), <int>(it // n_seg),
-                                    scratch + threadid() * scratch_floats)
-            for it in prange(n_heads, nogil=True, num_threads=nthreads, schedule="static"):
-                ks_attn_decode_merge(parts, &out[0, 0, 0], <int>n_heads, <int>n_kv, <int>hd,
-                                     <int>n_seg, <int>it)
+                ks_attn_split_item(&q[0, 0, 0], &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0], &vs[0, 0],
+                                   parts + it * part_floats, <int>n_heads, <int>n_kv, <int>hd,
+                                   <int>max_seq, pos0, <int>n, scale, kv_bs,
+                                   <int>(it % n_seg), <int>(it // n_seg),
+                                   scratch + threadid() * scratch_floats)
+            for it in prange(n * n_heads, nogil=True, num_threads=nthreads, schedule="static"):
+                ks_attn_split_merge(parts, &out[0, 0, 0], <int>n_heads, <int>n_kv, <int>hd,
+                                    <int>n, <int>n_seg, <int>(it // n_heads), <int>(it % n_heads))
         else:
             # causal: later tiles see more keys, so they are handed out first
             n_tiles = (n + KS_ATTN_TOKENS - 1) // KS_ATTN_TOKENS

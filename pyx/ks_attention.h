@@ -18,10 +18,10 @@
  * on any number of threads: its keys 0 .. p go in segments [c * S, (c + 1) * S) counted from
  * key 0 (S = KS_ATTN_SEGMENT rounded up to kv_bs, whatever the context), each segment's online
  * softmax starts empty, and the segments' states are folded into the query's in segment order
- * by ks_attn_fold. Decode computes the segments in parallel, one item per (KV head, segment),
- * and folds them afterwards; prefill computes them in turn inside its work item and folds as it
- * goes. Blocks of kv_bs start at multiples of kv_bs in both, and keys past a query's position
- * add exact zeros.
+ * by ks_attn_fold. Decode and short passes compute the segments in parallel, one item per
+ * (KV head, segment), and fold them afterwards; prefill computes them in turn inside its work
+ * item and folds as it goes. Blocks of kv_bs start at multiples of kv_bs in both, and keys
+ * past a query's position add exact zeros.
  */
 #ifndef KS_ATTENTION_H
 #define KS_ATTENTION_H
@@ -32,6 +32,7 @@
 #define KS_ATTN_STRIP 16            /* keys / head dims per step of the inner loops */
 #define KS_ATTN_TOKENS 16           /* prefill work item: this many tokens x the group's heads */
 #define KS_ATTN_SEGMENT 256         /* keys per segment (rounded up to whole KV blocks) */
+#define KS_ATTN_SPLIT_TOKENS 8      /* passes of up to this many tokens split keys by segment */
 
 /* ---- KV store ------------------------------------------------------------------------------ */
 
@@ -345,45 +346,49 @@ static void ks_attn_prefill_item(const float *q, const int8_t *kq, const float *
         }
 }
 
-/* Floats of partial state per (KV head, segment): m, l and acc of the group's G heads. */
-static inline int64_t ks_attn_part_floats(int G, int hd)
+/* Floats of partial state per (KV head, segment) for nq = n x G queries: m, l and acc. */
+static inline int64_t ks_attn_part_floats(int nq, int hd)
 {
-    return (int64_t)G * (hd + 2);
+    return (int64_t)nq * (hd + 2);
 }
 
-/* Decode work item: the single token's G query heads of KV head g against segment c of the
- * keys; the state goes to part (G * (hd + 2) floats: m, l, acc). */
-static void ks_attn_decode_item(const float *q, const int8_t *kq, const float *ks,
-                                const int8_t *vq, const float *vs, float *part,
-                                int n_heads, int n_kv, int hd, int max_seq, int pos0,
-                                float scale, int kv_bs, int c, int g, float *scratch)
+/* Split work item, for decode and passes of up to KS_ATTN_SPLIT_TOKENS tokens: the n tokens'
+ * G query heads of KV head g against segment c of the keys; the state goes to part
+ * (ks_attn_part_floats(n * G, hd) floats: m, l, acc, query i = t * G + head within the group).
+ * A short pass has one prefill item per KV head, too few to keep every thread busy when the
+ * model has few KV heads; split by segment, a long context gives every thread work. */
+static void ks_attn_split_item(const float *q, const int8_t *kq, const float *ks,
+                               const int8_t *vq, const float *vs, float *part,
+                               int n_heads, int n_kv, int hd, int max_seq, int pos0, int n,
+                               float scale, int kv_bs, int c, int g, float *scratch)
 {
-    const int G = n_heads / n_kv, seg = ks_attn_segment_len(kv_bs);
-    const ks_attn_scratch s = ks_attn_scratch_parts(scratch, G, hd, kv_bs);
+    const int G = n_heads / n_kv, nq = n * G, seg = ks_attn_segment_len(kv_bs);
+    const ks_attn_scratch s = ks_attn_scratch_parts(scratch, nq, hd, kv_bs);
     const int64_t kvo = (int64_t)g * max_seq;
-    ks_attn_begin(&s, q, n_heads, hd, 0, 1, g * G, G, pos0, scale);
-    ks_attn_clear(s.m, s.l, s.acc, G, hd);
-    ks_attn_range_any(G, hd, s.qs, s.lim, kq + kvo * hd, ks + kvo, vq + kvo * hd, vs + kvo,
+    ks_attn_begin(&s, q, n_heads, hd, 0, n, g * G, G, pos0, scale);
+    ks_attn_clear(s.m, s.l, s.acc, nq, hd);
+    ks_attn_range_any(nq, hd, s.qs, s.lim, kq + kvo * hd, ks + kvo, vq + kvo * hd, vs + kvo,
                       c * seg, (c + 1) * seg, kv_bs, s.m, s.l, s.acc, s.kf, s.vf, s.sc, s.corr);
-    memcpy(part, s.m, sizeof(float) * G);
-    memcpy(part + G, s.l, sizeof(float) * G);
-    memcpy(part + 2 * G, s.acc, sizeof(float) * G * hd);
+    memcpy(part, s.m, sizeof(float) * nq);
+    memcpy(part + nq, s.l, sizeof(float) * nq);
+    memcpy(part + 2 * nq, s.acc, sizeof(float) * nq * hd);
 }
 
-/* Decode: out (1, n_heads, hd) row h from the n_seg segments' states of its KV head, folded
- * in segment order. parts (n_kv, n_seg, G * (hd + 2)). */
-static void ks_attn_decode_merge(const float *parts, float *out, int n_heads, int n_kv, int hd,
-                                 int n_seg, int h)
+/* After the split items: out (n, n_heads, hd) row (t, h) from the n_seg segments' states of
+ * its KV head, folded in segment order (as the prefill item folds them: the same bits).
+ * parts (n_kv, n_seg, ks_attn_part_floats(n * G, hd)). */
+static void ks_attn_split_merge(const float *parts, float *out, int n_heads, int n_kv, int hd,
+                                int n, int n_seg, int t, int h)
 {
-    const int G = n_heads / n_kv, g = h / G, i = h % G;
-    const int64_t pf = ks_attn_part_floats(G, hd);
+    const int G = n_heads / n_kv, g = h / G, nq = n * G, i = t * G + h % G;
+    const int64_t pf = ks_attn_part_floats(nq, hd);
     const float *p0 = parts + (int64_t)g * n_seg * pf;
-    float *o = out + (int64_t)h * hd;
+    float *o = out + ((int64_t)t * n_heads + h) * hd;
     float m, l;
     ks_attn_clear(&m, &l, o, 1, hd);
     for (int c = 0; c < n_seg; c++) {
         const float *p = p0 + c * pf;
-        ks_attn_fold(&m, &l, o, p[i], p[G + i], p + 2 * G + (int64_t)i * hd, hd);
+        ks_attn_fold(&m, &l, o, p[i], p[nq + i], p + 2 * nq + (int64_t)i * hd, hd);
     }
     const float inv = 1.0f / l;
     for (int d = 0; d < hd; d++)

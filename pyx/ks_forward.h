@@ -167,7 +167,7 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     const int q_dim = M->n_heads * M->hd, kv_dim = M->n_kv * M->hd, G = M->n_heads / M->n_kv;
     const int widest = ks_max3(q_dim, M->ffn, 1);
     const int64_t F = M->expert_ffn > 0 ? M->expert_ffn : 1, E = M->n_exp > 0 ? M->n_exp : 1;
-    const int64_t dec = ks_attn_scratch_floats(G, M->hd, kv_bs);
+    const int64_t dec = ks_attn_scratch_floats(KS_ATTN_SPLIT_TOKENS * G, M->hd, kv_bs);
     const int64_t pre = ks_attn_scratch_floats(KS_ATTN_TOKENS * G, M->hd, kv_bs);
     int64_t off = 0;
     int64_t *cur = &off;
@@ -187,7 +187,7 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     ks_carve_q8(base, cur, T, widest, &S->sq, &S->sd, &S->sh);
     S->attn_scratch = ks_carve(base, cur, nthreads * S->attn_floats, 4);
     S->attn_parts = ks_carve(base, cur, (int64_t)M->n_kv * ks_attn_segments(max_seq, kv_bs)
-                                        * ks_attn_part_floats(G, M->hd), 4);
+                             * ks_attn_part_floats(KS_ATTN_SPLIT_TOKENS * G, M->hd), 4);
     S->probs = ks_carve(base, cur, T * E, 4);
     S->top_w = ks_carve(base, cur, P, 4);
     S->top_idx = ks_carve(base, cur, P, 4);
@@ -402,8 +402,9 @@ static inline int ks_attn_tiles_of(const ks_batch *B, int ti, int tile[3])
 /* The attention phases of layer li: the chunk's queries over KV rows 0 (or their packed
  * sequence's first) .. pos0 + t, into
  * att (n, q_dim) and its Q8_0 per head (sq, sd, sh: hd is a multiple of 32, so a head's blocks
- * are the row's). Decode: (KV head, key segment) items, then one merge item per head. Prefill:
- * (token tile, KV head) items, later tiles (more keys: causal) first. */
+ * are the row's). Decode and passes of up to KS_ATTN_SPLIT_TOKENS: (KV head, key segment) items,
+ * then one merge item per token and head. Prefill: (token tile, KV head) items, later tiles
+ * (more keys: causal) first. */
 static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv *kv, int li,
                                       const ks_scratch *S, const ks_batch *B, float *scratch)
 {
@@ -411,19 +412,19 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
     const int64_t lq = (int64_t)li * nkv * kv->max_seq;
     const int8_t *kq = kv->k_q + lq * hd, *vq = kv->v_q + lq * hd;
     const float *ks = kv->k_s + lq, *vs = kv->v_s + lq;
-    if (n == 1 && B->n_seqs == 0) {
-        const int n_seg = ks_attn_segments(B->pos0 + 1, kv->kv_bs);
-        const int64_t pf = ks_attn_part_floats(G, hd);
+    if (n <= KS_ATTN_SPLIT_TOKENS && B->n_seqs == 0) {
+        const int n_seg = ks_attn_segments(B->pos0 + n, kv->kv_bs);
+        const int64_t pf = ks_attn_part_floats(n * G, hd);
         KS_EACH_ITEM(w, nkv * n_seg, it)
-            ks_attn_decode_item(S->q, kq, ks, vq, vs, S->attn_parts + it * pf, nh, nkv, hd,
-                                kv->max_seq, B->pos0, M->scale, kv->kv_bs, it % n_seg,
-                                it / n_seg, scratch);
+            ks_attn_split_item(S->q, kq, ks, vq, vs, S->attn_parts + it * pf, nh, nkv, hd,
+                               kv->max_seq, B->pos0, n, M->scale, kv->kv_bs, it % n_seg,
+                               it / n_seg, scratch);
         if (!ks_phase_end(w))
             return 0;
-        KS_EACH_ITEM(w, nh, h) {
-            ks_attn_decode_merge(S->attn_parts, S->att, nh, nkv, hd, n_seg, h);
-            ks_quantize_row_q8_0(S->att + h * hd, S->sq + h * hd, S->sd + h * (hd / KS_QK),
-                                 S->sh + h * (hd / 16), hd);
+        KS_EACH_ITEM(w, n * nh, it) {
+            const int64_t o = (int64_t)it * hd;     /* row (it / nh, it % nh) */
+            ks_attn_split_merge(S->attn_parts, S->att, nh, nkv, hd, n, n_seg, it / nh, it % nh);
+            ks_quantize_row_q8_0(S->att + o, S->sq + o, S->sd + o / KS_QK, S->sh + o / 16, hd);
         }
         return 1;
     }

@@ -24,9 +24,10 @@ cdef extern from "ks_q8.h" nogil:
 cdef extern from "ks_attention.h" nogil:
     int KS_ATTN_STRIP
     int KS_ATTN_TOKENS
+    int KS_ATTN_SPLIT_TOKENS
     float ks_quantize_head(const float *x, int8_t *q, int hd)
     int64_t ks_attn_scratch_floats(int nq, int hd, int kv_bs)
-    int64_t ks_attn_part_floats(int G, int hd)
+    int64_t ks_attn_part_floats(int nq, int hd)
     int ks_attn_segments(int ctx, int kv_bs)
     int ks_set_attn_tiles(int on)
     void ks_attn_prefill_item(const float *q, const int8_t *kq, const float *ks,
@@ -34,12 +35,12 @@ cdef extern from "ks_attention.h" nogil:
                               int n_heads, int n_kv, int hd, int max_seq, int pos0,
                               int kfirst, float scale, int kv_bs, int t0, int t1, int g,
                               float *scratch)
-    void ks_attn_decode_item(const float *q, const int8_t *kq, const float *ks,
-                             const int8_t *vq, const float *vs, float *part,
-                             int n_heads, int n_kv, int hd, int max_seq, int pos0,
-                             float scale, int kv_bs, int c, int g, float *scratch)
-    void ks_attn_decode_merge(const float *parts, float *out, int n_heads, int n_kv, int hd,
-                              int n_seg, int h)
+    void ks_attn_split_item(const float *q, const int8_t *kq, const float *ks,
+                            const int8_t *vq, const float *vs, float *part,
+                            int n_heads, int n_kv, int hd, int max_seq, int pos0, int n,
+                            float scale, int kv_bs, int c, int g, float *scratch)
+    void ks_attn_split_merge(const float *parts, float *out, int n_heads, int n_kv, int hd,
+                             int n, int n_seg, int t, int h)
 
 
 cdef extern from "ks_rows.h" nogil:

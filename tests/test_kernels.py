@@ -431,15 +431,16 @@ def test_attention_against_float64(n, pos0, n_heads, n_kv, hd, kv_bs):
 @pytest.mark.arm64
 def test_attention_chunked_prefill_and_decode_equal_one_full_prefill():
     """A query's keys go in 256-key segments from key 0, folded in order, however its tokens
-    came: prefill chunks of any size and decode steps give one full prefill's bits, past the
-    segment boundaries at 256, 512 and 1,024 keys."""
+    came: prefill chunks of any size, short passes (split by segment, as decode) and decode
+    steps give one full prefill's bits, past the segment boundaries at 256, 512 and 1,024
+    keys."""
     rng = np.random.default_rng(8)
     n_heads, n_kv, hd, total = 4, 2, 64, 1100
     kv = store_prompt(rng, total, n_kv, hd, total + 10)
     q = rng.standard_normal((total, n_heads, hd)).astype(np.float32)
     full = run_attention(q, kv, 0, 32, 2)
     pieces, pos = [], 0
-    for size in (40, 33, 1, 70, 1, 1, 4, 150, 1, 255, 1, 2, 200, 1, 1, 300, 1, 1, 1, 36):
+    for size in (40, 33, 1, 70, 1, 1, 4, 150, 1, 255, 1, 2, 8, 192, 1, 1, 300, 1, 1, 1, 5, 31):
         pieces.append(run_attention(q[pos:pos + size].copy(), kv, pos, 32, 1 + pos % 3))
         pos += size
     assert pos == total
