@@ -23,11 +23,27 @@ def test_the_longest_n_gram_s_most_recent_occurrence_is_continued():
     # "2 3" ends the context: the 3-gram "1 2 3" occurred at 0, continued by 4 5 9 (a first
     # draft is 3 tokens)
     assert d.draft(room=4) == [4, 5, 9]
-    d = Drafter([5, 2, 3, 6, 7, 8, 9, 2, 3, 1, 0, 2, 3], capacity=64)
-    # no earlier "0 2 3": a 2-gram alone ("2 3") drafts nothing (too often a false lead)
-    assert d.draft(room=8) == []
     assert Drafter([1, 2, 3, 4], capacity=8).draft(room=4) == []       # nothing repeats
     assert Drafter([1, 2, 1, 2], capacity=8).draft(room=0) == []       # no room
+
+
+def test_of_a_3_gram_s_occurrences_the_one_matching_further_back_is_continued():
+    # "1 2 3" at 1 (after 9, as the context's last one) and at 8 (after 5): the first matches
+    # one more token back, so it is continued although the second is more recent
+    d = Drafter([9, 1, 2, 3, 4, 7, 7, 5, 1, 2, 3, 6, 8, 9, 1, 2, 3], capacity=64)
+    assert d.draft(room=8) == [4, 7, 7]
+    # equal matches: the most recent
+    d = Drafter([5, 1, 2, 3, 4, 7, 7, 5, 1, 2, 3, 6, 8, 9, 1, 2, 3], capacity=64)
+    assert d.draft(room=8) == [6, 8, 9]
+
+
+def test_a_2_gram_drafts_a_short_guess_where_no_3_gram_repeats_and_never_rests():
+    d = Drafter([5, 2, 3, 6, 7, 8, 9, 2, 3, 1, 0, 2, 3], capacity=64)
+    # no earlier "0 2 3": the 2-gram "2 3"'s most recent occurrence, at most 3 tokens
+    d.length = MAX_DRAFT
+    assert d.draft(room=8) == [1, 0, 2]
+    d.verified(3, 0)            # refused whole: a 3-gram's draft would rest, a 2-gram's not
+    assert d.draft(room=8) == [1, 0, 2]
 
 
 def test_a_draft_stops_before_an_excluded_id():

@@ -12,17 +12,21 @@ without t, renormalized, which is the rule that keeps the model's distribution. 
 generator is drawn once per token, as without speculation, so greedy and seeded outputs are
 the same ids as with `--no-speculate`. Rejected rows are cut from the KV cache.
 
-Draft sizes, chosen on SmolLM2's answers (docs/speculation.md has the measurements):
-the context's last 3-gram, its most recent earlier occurrence, continued for up to `length`
-tokens (a 2-gram alone was too often a false lead in open chat). A pass is the draft plus the
-chosen token, and the products compute tokens in tiles of 1, 2, 4 or 8 (pyx/ks_q8.h's
-KS_TOKEN_TILES): a pass of 2-4 tokens costs little more than one token, and a 5th token
-starts the next width (docs/speculation.md has the figures). So `length` is 3 or 7, filling
-a tile: 3 at first, 7 after a draft of 3 accepted whole, and back to 3 after a draft of
-which fewer than 3 were taken. A pass over more tokens still costs more than one, so after a
-pass that took less than half its draft the drafter rests for a number of tokens that
-doubles with each such pass in a row (up to MAX_REST) and starts again at 1 after a pass
-that gained.
+Draft sources, chosen on SmolLM2's answers (docs/speculation.md has the measurements): the
+context's last 3-gram at the earlier occurrence whose preceding tokens match the context's
+furthest back (up to MATCH_BACK tokens; the most recent among equals), continued for up to
+`length` tokens. Where no 3-gram repeats, the last 2-gram's most recent occurrence drafts up to
+DRAFT_LENGTHS[0] tokens: right after the answer leaves its source (a word changed), the 3-gram
+holding the new word is nowhere, and the 2-gram after it finds the source again.
+A pass is the draft plus the chosen token, and the products compute tokens in tiles of 1, 2,
+4 or 8 (pyx/ks_q8.h's KS_TOKEN_TILES): a pass of 2-4 tokens costs little more than one token,
+and a 5th token starts the next width (docs/speculation.md has the figures). So `length` is 3
+or 7, filling a tile: 3 at first, 7 after a draft of 3 accepted whole, and back to 3 after a
+draft of which fewer than 3 were taken. A pass over more tokens still costs more than one, so
+after a 3-gram's pass that took less than half its draft the drafter rests for a number of
+tokens that doubles with each such pass in a row (up to MAX_REST) and starts again at 1 after
+a pass that gained. A 2-gram's refused draft does not count: it is short, so cheap, and says
+nothing of the 3-grams to come.
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ from typing import Optional
 
 import numpy as np
 
-N_GRAMS = (3,)            # n-gram sizes matched, longest first
+N_GRAMS = (3, 2)          # n-gram sizes matched, longest first; the last is a short fallback
+MATCH_BACK = 8            # most tokens compared when choosing among a 3-gram's occurrences
 DRAFT_LENGTHS = (3, 7)    # a pass of a draft and the chosen token fills a tile of 4 or 8
 MAX_DRAFT = DRAFT_LENGTHS[-1]
 MAX_REST = 32             # most tokens decoded without drafting after passes that did not pay
@@ -51,6 +56,7 @@ class Drafter:
         self.length = DRAFT_LENGTHS[0]
         self.rest = 0             # tokens to decode before drafting again
         self.rest_next = 1        # the next rest after a pass that does not pay
+        self.fallback = False     # the last draft came from a 2-gram
 
     def push(self, tok: int) -> None:
         """Appends a chosen token."""
@@ -59,37 +65,57 @@ class Drafter:
             self.n += 1
 
     def draft(self, room: int) -> list:
-        """Up to min(length, room) tokens that may follow the context, or [] (nothing found,
-        resting, or no room)."""
+        """Up to min(length, room) tokens that may follow the context (up to DRAFT_LENGTHS[0]
+        from a 2-gram), or [] (nothing found, resting, or no room)."""
         if self.rest > 0:
             self.rest -= 1
             return []
-        k = min(self.length, room)
-        if k <= 0:
+        if room <= 0:
             return []
-        ids = self.ids[:self.n]
+        ids, n = self.ids[:self.n], self.n
         for size in N_GRAMS:
-            if self.n <= size:
+            if n <= size:
                 continue
-            tail = ids[self.n - size:]
+            tail = ids[n - size:]
             # windows ending before the tail's own last token: starts 0 .. n - size - 1
-            hits = np.ones(self.n - size, bool)
+            hits = np.ones(n - size, bool)
             for j in range(size):
-                hits &= ids[j:self.n - size + j] == tail[j]
+                hits &= ids[j:n - size + j] == tail[j]
             found = np.flatnonzero(hits)
-            if len(found):
-                start = int(found[-1]) + size
-                out = ids[start:start + k]
-                if len(self.exclude):
-                    bad = np.flatnonzero(np.isin(out, self.exclude))
-                    out = out[:bad[0]] if len(bad) else out
-                return [int(t) for t in out]
+            if not len(found):
+                continue
+            start = self._best(found, size) + size
+            self.fallback = size < N_GRAMS[0]
+            k = min(DRAFT_LENGTHS[0] if self.fallback else self.length, room)
+            out = ids[start:start + k]
+            if len(self.exclude):
+                bad = np.flatnonzero(np.isin(out, self.exclude))
+                out = out[:bad[0]] if len(bad) else out
+            return [int(t) for t in out]
         return []
+
+    def _best(self, found: np.ndarray, size: int) -> int:
+        """Of the occurrences starting at `found` (ascending) of the context's last `size`
+        ids, the one whose preceding ids match the context's for the most tokens (up to
+        MATCH_BACK in all), the most recent among equals."""
+        ids, n = self.ids, self.n
+        longer = np.zeros(len(found), np.int64)
+        alive = np.ones(len(found), bool)
+        for j in range(1, min(MATCH_BACK - size, n - size) + 1):
+            before = found - j
+            alive &= before >= 0
+            alive[alive] &= ids[before[alive]] == ids[n - size - j]
+            if not alive.any():
+                break
+            longer += alive
+        return int(found[len(found) - 1 - int(np.argmax(longer[::-1]))])
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A pass of `drafted` tokens of which the first `accepted` were chosen."""
         want = 2 * drafted + 1 if accepted == drafted else accepted + 1
         self.length = next((n for n in DRAFT_LENGTHS if n >= want), MAX_DRAFT)
+        if self.fallback:
+            return
         if 2 * accepted < drafted:       # less than half taken: the pass cost more than it gave
             self.rest = self.rest_next
             self.rest_next = min(2 * self.rest_next, MAX_REST)
