@@ -13,6 +13,10 @@ Q8_0), each a chat prompt answered greedily up to `--max-tokens`:
 Decode speed counts the tokens after the first over the time from the first to the last
 (the prefill is not in it), for both engines. Kestrel runs in-process (`Engine`, its own
 prefill each run); its answers with and without speculation are asserted to be the same ids.
+Each rep runs Kestrel with speculation and then without, back to back, and a task's on / off
+is the median of those reps' ratios (a VM's speed drifts over minutes; a pair takes seconds);
+the tok/s columns are medians. llama.cpp runs after all of Kestrel's reps of the task, so
+that its threads never share the cores with Kestrel's.
 llama.cpp runs through llama-cpp-python's `generate` on the same prompt ids, plainly and with
 `LlamaPromptLookupDecoding` (its prompt lookup: 2-grams, 10 tokens drafted), greedy.
 
@@ -165,6 +169,7 @@ class LlamaCpp:
             out.append(tok)
             if len(out) >= max_tokens:
                 break
+        llm.close()         # its threads and buffers go now, not at some later collection
         tok_s = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
         return out, tok_s
 
@@ -205,7 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None, help="the SmolLM2 GGUF (default: Q4_K_M or Q8_0)")
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", default="qwen3-1.7b:Q4_K_M,qwen3moe:Q4_K_M",
                     help="random-weight shapes for the k-cost curve (bench/common.py)")
     ap.add_argument("--quick", action="store_true", help="two tasks, short answers, no shapes")
@@ -217,7 +222,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.max_tokens, args.reps, args.shapes = 48, 1, ""
     print(f"# bench/speculate.py on {os.path.basename(path)}, {args.threads} threads, greedy, "
-          f"up to {args.max_tokens} tokens, median of {args.reps}")
+          f"up to {args.max_tokens} tokens, medians of {args.reps}")
     k = Kestrel(path, args.threads)
     count = lambda s: len(k.engines[False].tokenize(s))  # noqa: E731
     todo = tasks(count)[:2] if args.quick else tasks(count)
@@ -227,12 +232,16 @@ def main(argv=None) -> int:
     for task in todo:
         ids = k.prompt(task, args.max_tokens)
         speeds = {name: [] for name in ("on", "off", *llama)}
+        paired = []         # on / off of each rep: the two runs are back to back
         for rep in range(args.reps):
             on, on_s, passes = k.answer(ids, True, args.max_tokens)
             off, off_s, _ = k.answer(ids, False, args.max_tokens)
             assert on.ids == off.ids, f"{task.name}: speculation changed the answer"
             speeds["on"].append(on_s)
             speeds["off"].append(off_s)
+            paired.append(on_s / off_s)
+        # after Kestrel's runs: llama.cpp's threads never share the cores with them
+        for rep in range(args.reps):
             for name, runner in llama.items():
                 speeds[name].append(runner.answer(ids, args.max_tokens)[1])
         med = {name: statistics.median(v) for name, v in speeds.items()}
@@ -244,13 +253,14 @@ def main(argv=None) -> int:
         print(f"  {task.name}: {len(ids)} prompt tokens, {len(on.ids)} generated, "
               f"{on.accepted_tokens}/{on.drafted_tokens} drafts taken, "
               + ", ".join(f"{n} {v:.1f}" for n, v in med.items()) + " tok/s", flush=True)
+        med["paired"] = statistics.median(paired)
 
     print("\n| task | prompt | answer | drafts taken | tokens / pass | Kestrel on | off | on / off |"
           + (" llama.cpp | + lookup | on / lookup |" if llama else ""))
     print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if llama else ""))
     ratios = {"grounded": [], "open": [], "vs_lookup": []}
     for task, n_prompt, n_gen, acc, drafted, per_pass, med in rows:
-        r = med["on"] / med["off"]
+        r = med["paired"]
         ratios["grounded" if task.grounded else "open"].append(r)
         line = (f"| {task.name} | {n_prompt} | {n_gen} | {acc} / {drafted} | {per_pass:.2f} | "
                 f"{med['on']:.1f} | {med['off']:.1f} | {r:.2f}x |")
