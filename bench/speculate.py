@@ -246,21 +246,20 @@ def main(argv=None) -> int:
                 speeds[name].append(runner.answer(ids, args.max_tokens)[1])
         med = {name: statistics.median(v) for name, v in speeds.items()}
         per_pass = len(on.ids) / max(len(passes) + 1, 1)
-        rows.append((task, len(ids), len(on.ids), on.accepted_tokens, on.drafted_tokens, per_pass, med))
+        rows.append((task, len(ids), len(on.ids), on.accepted_tokens, on.drafted_tokens,
+                     per_pass, med, statistics.median(paired)))
         if task.grounded:
             grounded_passes += passes
             grounded_tokens += len(on.ids) - 1
         print(f"  {task.name}: {len(ids)} prompt tokens, {len(on.ids)} generated, "
               f"{on.accepted_tokens}/{on.drafted_tokens} drafts taken, "
               + ", ".join(f"{n} {v:.1f}" for n, v in med.items()) + " tok/s", flush=True)
-        med["paired"] = statistics.median(paired)
 
     print("\n| task | prompt | answer | drafts taken | tokens / pass | Kestrel on | off | on / off |"
           + (" llama.cpp | + lookup | on / lookup |" if llama else ""))
     print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if llama else ""))
     ratios = {"grounded": [], "open": [], "vs_lookup": []}
-    for task, n_prompt, n_gen, acc, drafted, per_pass, med in rows:
-        r = med["paired"]
+    for task, n_prompt, n_gen, acc, drafted, per_pass, med, r in rows:
         ratios["grounded" if task.grounded else "open"].append(r)
         line = (f"| {task.name} | {n_prompt} | {n_gen} | {acc} / {drafted} | {per_pass:.2f} | "
                 f"{med['on']:.1f} | {med['off']:.1f} | {r:.2f}x |")
