@@ -11,7 +11,8 @@ generation requests of 64 clients are refused `queue_full`: that is the point.
 
 Checked: every request gets exactly one response, each a result, `queue_full` or
 `cancelled` (the cancel itself answers {"cancelled": bool}); nothing hangs (a global
-deadline); `status` latency (a separate probe connection, every 20 ms) max and p99; the
+deadline); `status` latency (a separate probe connection, every 5 ms from before the first
+client starts to after the last ends) max and p99; the
 daemon's RSS after the first 10 requests and after all of them.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from daemon import Daemon  # noqa: E402
 
 DAEMON_ARGS = ("--max-seq", "256", "--max-queue", "16")
 READ_TIMEOUT_S = 120.0
-PROBE_EVERY_S = 0.02
+PROBE_EVERY_S = 0.005       # the whole load may take under a second: enough samples still
 ALLOWED_ERRORS = ("queue_full", "cancelled")
 PROMPTS = ("The capital of France is", "Count: 1, 2, 3,", "Hello", "Name a colour.",
            "Once upon a time")
@@ -161,9 +162,10 @@ class Client(threading.Thread):
             self.rep.violate(f"client failed: {type(e).__name__}: {e}")
 
 
-def probe_status(path: str, out, stop) -> None:
+def probe_status(path: str, out, ready, stop) -> None:
     """Time `status` on its own connection while the load runs; runs in its own process
-    (the 64 client threads' GIL must not be measured), latencies (ms) and errors into `out`."""
+    (the 64 client threads' GIL must not be measured), latencies (ms) and errors into `out`;
+    sets `ready` at its first answer, so that the load starts only once it is probing."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(READ_TIMEOUT_S)
     sock.connect(path)
@@ -180,6 +182,7 @@ def probe_status(path: str, out, stop) -> None:
                 break
         out.put((time.perf_counter() - t0) * 1e3 if reply[:3] == [1, i, None]
                 else f"status answered {str(reply)[:120]}")
+        ready.set()
         time.sleep(PROBE_EVERY_S)
     sock.close()
     out.put(None)
@@ -211,9 +214,12 @@ def load(socket_path: str, pid: int, clients: int = 64, requests: int = 1000, se
 
     warm_up(socket_path)
     ctx = multiprocessing.get_context("fork")
-    stop, probe_out = ctx.Event(), ctx.Queue()
-    probe = ctx.Process(target=probe_status, args=(socket_path, probe_out, stop), daemon=True)
+    ready, stop, probe_out = ctx.Event(), ctx.Event(), ctx.Queue()
+    probe = ctx.Process(target=probe_status, args=(socket_path, probe_out, ready, stop),
+                        daemon=True)
     probe.start()
+    if not ready.wait(READ_TIMEOUT_S):
+        rep.violate(f"the status probe got no answer in {READ_TIMEOUT_S} s")
     per = [requests // clients + (i < requests % clients) for i in range(clients)]
     threads = [Client(socket_path, n, seed * 1000 + i, rep, on_answer) for i, n in enumerate(per)]
     t0 = time.monotonic()

@@ -12,7 +12,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import load  # noqa: E402  (bench/load.py: the clients, the status probe, the checks)
 
 CLIENTS, REQUESTS = 64, 200
-DEADLINE_S = 180.0          # no deadlock: 200 tiny requests take ~5-10 s here
+DEADLINE_S = 180.0          # no deadlock: 200 tiny requests take under a second here
 
 
 @pytest.fixture(scope="module")
