@@ -88,8 +88,8 @@ def _team_threads() -> int:
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
                 n += f.read().strip() == "kestrel-forward"
-        except FileNotFoundError:       # a thread (of anything) that just ended
-            pass
+        except (FileNotFoundError, ProcessLookupError):   # a thread (of anything) that just
+            pass                                          # ended (qemu-user says ESRCH)
     return n
 
 
