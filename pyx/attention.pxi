@@ -51,7 +51,8 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
     """Causal GQA attention of q (n, n_heads, hd), the queries at positions pos0 .. pos0+n-1,
     over one layer's int8 KV (keys 0 .. pos0+t for query t, already stored):
     out (n, n_heads, hd) = softmax(scale * q . k_j) . v_j, k_j = ks*kq, v_j = vs*vq, with query
-    head h reading KV head h // (n_heads // n_kv). Keys go in blocks of kv_bs (a power of two
+    head h reading KV head h // (n_heads // n_kv), each scale * q rounded to the 15 bits of the
+    integer scores (ks_attn_quantize_query). Keys go in blocks of kv_bs (a power of two
     >= 16) through an online softmax, in segments of 256 keys from key 0 folded in order, so a
     query's output does not depend on n, pos0's chunking or nthreads. Work items: (16-token
     tile, KV head) in prefill; (KV head, key segment) in decode and passes of up to 8 tokens,
@@ -63,6 +64,9 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
     cdef int64_t scratch_floats, part_floats
     cdef float *scratch = NULL
     cdef float *parts = NULL
+    cdef int8_t *q8 = NULL
+    cdef float *qd = NULL
+    cdef int32_t *qsum = NULL
     _check_threads(nthreads)
     _check_kv_layer(kq, ks, vq, vs, "attention")
     if kq.shape[2] != hd:
@@ -81,6 +85,7 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
     if n == 0 or n_heads == 0:
         return
     G = n_heads // n_kv
+    n_seg = part_floats = 0
     try:
         split = n <= KS_ATTN_SPLIT_TOKENS
         if split:
@@ -91,13 +96,19 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
         else:
             scratch_floats = ks_attn_scratch_floats(<int>(KS_ATTN_TOKENS * G), <int>hd, kv_bs)
         scratch = <float *>malloc(nthreads * scratch_floats * sizeof(float))
-        if scratch == NULL or (split and parts == NULL):
+        q8 = <int8_t *>malloc(n * n_heads * 2 * hd)
+        qd = <float *>malloc(n * n_heads * sizeof(float))
+        qsum = <int32_t *>malloc(n * n_heads * 2 * sizeof(int32_t))
+        if scratch == NULL or (split and parts == NULL) or q8 == NULL or qd == NULL or qsum == NULL:
             raise MemoryError("attention: no memory for the scratch buffers")
+        for it in prange(n * n_heads, nogil=True, num_threads=nthreads, schedule="static"):
+            ks_attn_quantize_row(&q[0, 0, 0] + it * hd, scale, <int>hd, q8 + it * 2 * hd, qd + it,
+                                 qsum + 2 * it)
         if split:
             for it in prange(n_kv * n_seg, nogil=True, num_threads=nthreads, schedule="static"):
-                ks_attn_split_item(&q[0, 0, 0], &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0], &vs[0, 0],
+                ks_attn_split_item(q8, qd, qsum, &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0], &vs[0, 0],
                                    parts + it * part_floats, <int>n_heads, <int>n_kv, <int>hd,
-                                   <int>max_seq, pos0, <int>n, scale, kv_bs,
+                                   <int>max_seq, pos0, <int>n, kv_bs,
                                    <int>(it % n_seg), <int>(it // n_seg),
                                    scratch + threadid() * scratch_floats)
             for it in prange(n * n_heads, nogil=True, num_threads=nthreads, schedule="static"):
@@ -109,14 +120,17 @@ def attention(const float[:, :, ::1] q, const int8_t[:, :, ::1] kq, const float[
             n_items = n_tiles * n_kv
             for it in prange(n_items, nogil=True, num_threads=nthreads, schedule="dynamic"):
                 t0 = (n_tiles - 1 - it // n_kv) * KS_ATTN_TOKENS
-                ks_attn_prefill_item(&q[0, 0, 0], &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0], &vs[0, 0],
-                                     &out[0, 0, 0], <int>n_heads, <int>n_kv, <int>hd,
-                                     <int>max_seq, pos0, 0, scale, kv_bs, <int>t0,
+                ks_attn_prefill_item(q8, qd, qsum, &kq[0, 0, 0], &ks[0, 0], &vq[0, 0, 0],
+                                     &vs[0, 0], &out[0, 0, 0], <int>n_heads, <int>n_kv, <int>hd,
+                                     <int>max_seq, pos0, 0, kv_bs, <int>t0,
                                      <int>min(n, t0 + KS_ATTN_TOKENS), <int>(it % n_kv),
                                      scratch + threadid() * scratch_floats)
     finally:
         free(scratch)
         free(parts)
+        free(q8)
+        free(qd)
+        free(qsum)
 
 
 def full_attention(const float[:, :, ::1] q, const float[:, :, ::1] k, const float[:, :, ::1] v,

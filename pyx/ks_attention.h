@@ -4,14 +4,16 @@
  *     kq (n_kv, max_seq, hd) int8, ks (n_kv, max_seq) float32: k[g, p, :] = ks[g, p] * kq[g, p, :]
  *     vq, vs: the same for V.
  * Attention reads keys in blocks of kv_bs with an online softmax (running max m, running sum l,
- * unnormalized output acc), so its memory does not grow with the context. Each block is
- * converted to float once and then used by every query of the work item: a tile of tokens x
- * the query heads sharing that KV head (GQA). Within a block, queries that see the same keys
- * go in tiles of 4 (scores) and 2 (values) that share each K / V vector loaded, with each
- * query's arithmetic unchanged: tiled or not, the results are the same bits. The core
+ * unnormalized output acc), so its memory does not grow with the context. A block's scores are
+ * exact integer dot products of the int8 query (quantized as a key is) with the int8 keys as
+ * they lie (ks_attn_scores.h); its V rows are converted to float once and used by every query
+ * of the work item: a tile of tokens x the query heads sharing that KV head (GQA). Within a
+ * block, queries that see the same keys go in tiles of up to 4 that share loads (of the
+ * block's keys in AVX512's scores, of each V vector in pairs in the values), with each
+ * query's arithmetic unchanged: tiled or not, the results are the same bits. The float core
  * (ks_attn_core.h) is compiled for 8-float vectors, for 4-float ones on NEON (where GCC keeps
  * 8-float vectors in memory across loop iterations) and, where the CPU has AVX512, for
- * 16-float ones (two keys a vector in the scores): the same bits at every width.
+ * 16-float ones: the same bits at every width.
  *
  * The order of a query's reductions is fixed by its position alone, so a token's output is the
  * same bits whether it comes in a pass of one token (decode) or many (prefill), in any chunk,
@@ -28,6 +30,7 @@
 
 #include "ks_common.h"
 #include "ks_q8.h"          /* KS_HAVE_VNNI, ks_use_vnni */
+#include "ks_attn_scores.h"
 
 #define KS_ATTN_STRIP 16            /* keys / head dims per step of the inner loops */
 #define KS_ATTN_TOKENS 16           /* prefill work item: this many tokens x the group's heads */
@@ -54,10 +57,10 @@ static inline float ks_quantize_head(const float *restrict x, int8_t *restrict q
 
 /* ---- attention core ------------------------------------------------------------------------ */
 
-#define KS_ATTN_QB 4                /* queries per tile that share each K / V load */
+#define KS_ATTN_QB 4                /* queries per tile that share each key / V load */
 
 /* Keeps a loaded vector in a register: without it GCC folds the load into every FMA that
- * uses it (x86 FMAs take a memory operand), so a K or V vector shared by a tile of queries
+ * uses it (x86 FMAs take a memory operand), so a V vector shared by a tile of queries
  * would be loaded once per query again and the load ports, not the FMAs, would set the pace. */
 #if defined(KS_AVX2) && defined(__GNUC__)
 #  define KS_IN_REG(v) __asm__("" : "+x"(v))
@@ -74,10 +77,12 @@ static inline int ks_set_attn_tiles(int on)
     return ks_attn_tiles;
 }
 
-/* Scratch a work item needs, in floats (see ks_attn_scratch_parts for the parts). */
+/* Scratch a work item needs, in floats (see ks_attn_scratch_parts for the parts; hd is a
+ * multiple of 16, so the int8 parts are whole floats). */
 static inline int64_t ks_attn_scratch_floats(int nq, int hd, int kv_bs)
 {
-    return 2 * (int64_t)hd * kv_bs + KS_ATTN_QB * (kv_bs + 1) + (int64_t)nq * (3 * hd + 5);
+    return (int64_t)hd * kv_bs / 4 + (int64_t)hd * kv_bs + KS_ATTN_QB * (kv_bs + 1)
+           + (int64_t)nq * (2 * hd + hd / 2 + 8);
 }
 
 /* r[i] = lane i of ks_v8_hsum8(p) */
@@ -134,11 +139,14 @@ static inline float ks_v4x2_hsum(ks_v4x2 s)
 #define KS_AS_ZERO ((ks_v4x2){{{0}}})
 #define KS_AS_ADD(s, v, c) ((s).lanes[(c) % 2] += (v))
 #define KS_AS_HSUM(s) ks_v4x2_hsum(s)
+#define KS_AV_KEYS(kt, k, hd, nj) ((void)0)
+#define KS_AV_SCORES(QB, q8, qd, qsum, k, kt, hd, qn, qn_pad, sc, stride) \
+    ((void)(qn_pad), ks_attn_scores_rows(QB, q8, qd, k, hd, qn, sc, stride))
 #define KS_AN(name) name
 #include "ks_attn_core.h"
 
 #else
-/* The core at the baseline width: 8 floats a vector, one key each */
+/* The core at the baseline width: 8 floats a vector, one key each in the float scores */
 #define KS_AV ks_v8
 #define KS_AP 1
 #define KS_AH 1
@@ -156,12 +164,16 @@ static inline float ks_v4x2_hsum(ks_v4x2 s)
 #define KS_AS_ZERO ks_v8_set1(0.0f)
 #define KS_AS_ADD(s, v, c) ((s) += (v))
 #define KS_AS_HSUM(s) ks_v8_hsum(s)
+#define KS_AV_KEYS(kt, k, hd, nj) ((void)0)
+#define KS_AV_SCORES(QB, q8, qd, qsum, k, kt, hd, qn, qn_pad, sc, stride) \
+    ((void)(qn_pad), ks_attn_scores_rows(QB, q8, qd, k, hd, qn, sc, stride))
 #define KS_AN(name) name
 #include "ks_attn_core.h"
 #endif
 
 #if defined(KS_HAVE_VNNI)
-/* The core on AVX512 CPUs: 16 floats a vector (two keys in the scores), the same bits. */
+/* The core on AVX512 CPUs: 16 floats a vector (two keys in the float scores) and the
+ * keys-in-lanes integer scores, the same bits. */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni")
 typedef float ks_v16 __attribute__((vector_size(64)));
@@ -208,50 +220,61 @@ static inline float ks_v16_hmax(ks_v16 v)
 #define KS_AS_ZERO ks_v8_set1(0.0f)
 #define KS_AS_ADD(s, v, c) ((s) += ks_v16_part(v, 0), (s) += ks_v16_part(v, 1))
 #define KS_AS_HSUM(s) ks_v8_hsum(s)
+#define KS_AV_KEYS(kt, k, hd, nj) (ks_attn_t16_fits(hd) ? ks_attn_keys_t16(kt, k, hd, nj) : (void)0)
+#define KS_AV_SCORES(QB, q8, qd, qsum, k, kt, hd, qn, qn_pad, sc, stride)                   \
+    (ks_attn_t16_fits(hd) ? ks_attn_scores_t16(QB, q8, qd, qsum, kt, hd, qn_pad, sc, stride) \
+                          : ks_attn_scores_rows(QB, q8, qd, k, hd, qn, sc, stride))
 #define KS_AN(name) name##_wide
 #include "ks_attn_core.h"
 #pragma GCC pop_options
 #endif
 
 /* ks_attn_range at the widest vectors the CPU has (the same bits at every width) */
-static void ks_attn_range_any(int nq, int hd, const float *qs, const int *lim, const int8_t *kq,
+static void ks_attn_range_any(int nq, int hd, const int8_t *q8, const float *qd,
+                              const int32_t *qsum, const int *lim, const int8_t *kq,
                               const float *ks, const int8_t *vq, const float *vs, int k0, int k1,
-                              int kv_bs, float *m, float *l, float *acc, float *kf, float *vf,
+                              int kv_bs, float *m, float *l, float *acc, int8_t *kt, float *vf,
                               float *sc, float *corr)
 {
 #if defined(KS_HAVE_VNNI)
     if (ks_use_vnni()) {
-        ks_attn_range_wide(nq, hd, qs, lim, kq, ks, vq, vs, k0, k1, kv_bs, m, l, acc, kf, vf, sc,
-                           corr);
+        ks_attn_range_wide(nq, hd, q8, qd, qsum, lim, kq, ks, vq, vs, k0, k1, kv_bs, m, l, acc,
+                           kt, vf, sc, corr);
         return;
     }
 #endif
-    ks_attn_range(nq, hd, qs, lim, kq, ks, vq, vs, k0, k1, kv_bs, m, l, acc, kf, vf, sc, corr);
+    ks_attn_range(nq, hd, q8, qd, qsum, lim, kq, ks, vq, vs, k0, k1, kv_bs, m, l, acc, kt, vf,
+                  sc, corr);
 }
 
 /* Splits the scratch of one work item (ks_attn_scratch_floats floats) into its parts: a block's
- * keys and values as float, their scores, the queries, a segment's state (m, l, acc) and the
- * state folded over the segments so far (fm, fl, facc). */
+ * keys as ks_attn_range wants them and its values as float, their scores, the queries' codes,
+ * scales and code sums, a segment's state (m, l, acc) and the state folded over the segments
+ * so far (fm, fl, facc). */
 typedef struct {
-    float *kf, *vf, *sc, *corr, *qs, *m, *l, *acc, *fm, *fl, *facc;
+    int8_t *kt, *q8;
+    float *vf, *sc, *corr, *qd, *m, *l, *acc, *fm, *fl, *facc;
+    int32_t *qsum;
     int *lim;
 } ks_attn_scratch;
 
 static inline ks_attn_scratch ks_attn_scratch_parts(float *base, int nq, int hd, int kv_bs)
 {
     ks_attn_scratch s;
-    s.kf = base;
-    s.vf = s.kf + (int64_t)hd * kv_bs;
+    s.kt = (int8_t *)base;
+    s.vf = base + (int64_t)hd * kv_bs / 4;
     s.sc = s.vf + (int64_t)hd * kv_bs;
     s.corr = s.sc + KS_ATTN_QB * kv_bs;
-    s.qs = s.corr + KS_ATTN_QB;
-    s.acc = s.qs + (int64_t)nq * hd;
+    s.q8 = (int8_t *)(s.corr + KS_ATTN_QB);
+    s.qd = s.corr + KS_ATTN_QB + (int64_t)nq * hd / 2;
+    s.acc = s.qd + nq;
     s.facc = s.acc + (int64_t)nq * hd;
     s.m = s.facc + (int64_t)nq * hd;
     s.l = s.m + nq;
     s.fm = s.l + nq;
     s.fl = s.fm + nq;
-    s.lim = (int *)(s.fl + nq);   /* int and float have the same size on every target */
+    s.qsum = (int32_t *)(s.fl + nq);   /* int32 and float have the same size on every target */
+    s.lim = (int *)(s.fl + 3 * nq);
     return s;
 }
 
@@ -288,50 +311,68 @@ static inline void ks_attn_fold(float *restrict m, float *restrict l, float *res
     if (mc == -INFINITY)
         return;
     const float mx = fmaxf(*m, mc);
-    const float a = expf(*m - mx), b = expf(mc - mx);
+    /* one of the two is exp(0) = 1 exactly */
+    const float a = *m == mx ? 1.0f : expf(*m - mx), b = mc == mx ? 1.0f : expf(mc - mx);
     *l = KS_FMADD(lc, b, *l * a);
     for (int d = 0; d < hd; d++)
         acc[d] = KS_FMADD(accc[d], b, acc[d] * a);
     *m = mx;
 }
 
-/* Loads the queries of tokens [t0, t1) x heads [h0, h0 + G) as qs (scaled) and sets their
- * limits. */
-static inline void ks_attn_begin(const ks_attn_scratch *s, const float *q, int n_heads, int hd,
-                                 int t0, int t1, int h0, int G, int pos0, float scale)
+/* A query row (hd) times the softmax scale, quantized for the integer scores
+ * (ks_attn_quantize_query): once per pass and head, before the work items (each of which
+ * reads it, a decode step's in every segment). */
+static inline void ks_attn_quantize_row(const float *q, float scale, int hd, int8_t *q8,
+                                        float *qd, int32_t *qsum)
+{
+    float x[hd];
+    for (int d = 0; d < hd; d++)
+        x[d] = q[d] * scale;
+    *qd = ks_attn_quantize_query(x, q8, hd, qsum);
+}
+
+/* Copies the quantized queries (q8 (n, n_heads, 2 hd), qd (n, n_heads), qsum (n, n_heads, 2))
+ * of tokens [t0, t1) x heads [h0, h0 + G) into the item's scratch and sets their limits. */
+static inline void ks_attn_begin(const ks_attn_scratch *s, const int8_t *q8, const float *qd,
+                                 const int32_t *qsum, int n_heads, int hd, int t0, int t1,
+                                 int h0, int G, int pos0)
 {
     int i = 0;
     for (int t = t0; t < t1; t++)
         for (int h = h0; h < h0 + G; h++, i++) {
-            const float *qr = q + ((int64_t)t * n_heads + h) * hd;
-            for (int d = 0; d < hd; d++)
-                s->qs[(int64_t)i * hd + d] = qr[d] * scale;
+            const int64_t r = (int64_t)t * n_heads + h;
+            memcpy(s->q8 + (int64_t)2 * i * hd, q8 + 2 * r * hd, 2 * (size_t)hd);
+            s->qd[i] = qd[r];
+            s->qsum[2 * i] = qsum[2 * r];
+            s->qsum[2 * i + 1] = qsum[2 * r + 1];
             s->lim[i] = pos0 + t;
         }
 }
 
 /* Prefill work item: tokens [t0, t1) x the G query heads of KV head g, over their keys from
  * KV row kfirst (their sequence's first: 0, or a packed sequence's) to their own, segment by
- * segment; writes out (n, n_heads, hd). kq etc. point at the layer (n_kv, max_seq, ...).
+ * segment; writes out (n, n_heads, hd). q8, qd, qsum: the chunk's queries as
+ * ks_attn_quantize_row leaves them (ks_attn_begin). kq etc. point at the layer (n_kv,
+ * max_seq, ...).
  * Segments and blocks are counted from kfirst, so a sequence's results are the same bits
  * wherever in the arena it starts. */
-static void ks_attn_prefill_item(const float *q, const int8_t *kq, const float *ks,
-                                 const int8_t *vq, const float *vs, float *out,
-                                 int n_heads, int n_kv, int hd, int max_seq, int pos0,
-                                 int kfirst, float scale, int kv_bs, int t0, int t1, int g,
-                                 float *scratch)
+static void ks_attn_prefill_item(const int8_t *q8, const float *qd, const int32_t *qsum,
+                                 const int8_t *kq, const float *ks, const int8_t *vq,
+                                 const float *vs, float *out, int n_heads, int n_kv, int hd,
+                                 int max_seq, int pos0, int kfirst, int kv_bs, int t0, int t1,
+                                 int g, float *scratch)
 {
     const int G = n_heads / n_kv, nq = (t1 - t0) * G, seg = ks_attn_segment_len(kv_bs);
     const ks_attn_scratch s = ks_attn_scratch_parts(scratch, nq, hd, kv_bs);
     const int64_t kvo = (int64_t)g * max_seq + kfirst;
     const int ctx = pos0 - kfirst + t1;
-    ks_attn_begin(&s, q, n_heads, hd, t0, t1, g * G, G, pos0 - kfirst, scale);
+    ks_attn_begin(&s, q8, qd, qsum, n_heads, hd, t0, t1, g * G, G, pos0 - kfirst);
     ks_attn_clear(s.fm, s.fl, s.facc, nq, hd);
     for (int k0 = 0; k0 < ctx; k0 += seg) {
         ks_attn_clear(s.m, s.l, s.acc, nq, hd);
-        ks_attn_range_any(nq, hd, s.qs, s.lim, kq + kvo * hd, ks + kvo, vq + kvo * hd,
-                          vs + kvo, k0, k0 + seg < ctx ? k0 + seg : ctx, kv_bs, s.m, s.l,
-                          s.acc, s.kf, s.vf, s.sc, s.corr);
+        ks_attn_range_any(nq, hd, s.q8, s.qd, s.qsum, s.lim, kq + kvo * hd, ks + kvo,
+                          vq + kvo * hd, vs + kvo, k0, k0 + seg < ctx ? k0 + seg : ctx, kv_bs,
+                          s.m, s.l, s.acc, s.kt, s.vf, s.sc, s.corr);
         for (int i = 0; i < nq; i++)
             ks_attn_fold(s.fm + i, s.fl + i, s.facc + (int64_t)i * hd, s.m[i], s.l[i],
                          s.acc + (int64_t)i * hd, hd);
@@ -357,18 +398,20 @@ static inline int64_t ks_attn_part_floats(int nq, int hd)
  * (ks_attn_part_floats(n * G, hd) floats: m, l, acc, query i = t * G + head within the group).
  * A short pass has one prefill item per KV head, too few to keep every thread busy when the
  * model has few KV heads; split by segment, a long context gives every thread work. */
-static void ks_attn_split_item(const float *q, const int8_t *kq, const float *ks,
-                               const int8_t *vq, const float *vs, float *part,
-                               int n_heads, int n_kv, int hd, int max_seq, int pos0, int n,
-                               float scale, int kv_bs, int c, int g, float *scratch)
+static void ks_attn_split_item(const int8_t *q8, const float *qd, const int32_t *qsum,
+                               const int8_t *kq, const float *ks, const int8_t *vq,
+                               const float *vs, float *part, int n_heads, int n_kv, int hd,
+                               int max_seq, int pos0, int n, int kv_bs, int c, int g,
+                               float *scratch)
 {
     const int G = n_heads / n_kv, nq = n * G, seg = ks_attn_segment_len(kv_bs);
     const ks_attn_scratch s = ks_attn_scratch_parts(scratch, nq, hd, kv_bs);
     const int64_t kvo = (int64_t)g * max_seq;
-    ks_attn_begin(&s, q, n_heads, hd, 0, n, g * G, G, pos0, scale);
+    ks_attn_begin(&s, q8, qd, qsum, n_heads, hd, 0, n, g * G, G, pos0);
     ks_attn_clear(s.m, s.l, s.acc, nq, hd);
-    ks_attn_range_any(nq, hd, s.qs, s.lim, kq + kvo * hd, ks + kvo, vq + kvo * hd, vs + kvo,
-                      c * seg, (c + 1) * seg, kv_bs, s.m, s.l, s.acc, s.kf, s.vf, s.sc, s.corr);
+    ks_attn_range_any(nq, hd, s.q8, s.qd, s.qsum, s.lim, kq + kvo * hd, ks + kvo, vq + kvo * hd,
+                      vs + kvo, c * seg, (c + 1) * seg, kv_bs, s.m, s.l, s.acc, s.kt, s.vf, s.sc,
+                      s.corr);
     memcpy(part, s.m, sizeof(float) * nq);
     memcpy(part + nq, s.l, sizeof(float) * nq);
     memcpy(part + 2 * nq, s.acc, sizeof(float) * nq * hd);

@@ -1,31 +1,37 @@
-/* Kestrel kernels: the attention core (scores, softmax, values, a tile of queries, a range of
- * keys), written once for three vector widths (no Python here). ks_attention.h includes it
- * once or twice:
- *   vectors of 8 floats (ks_v8), one key each in the scores (AVX2 and plain builds);
+/* Kestrel kernels: the attention core (scores of float queries and keys, softmax, values, a
+ * tile of queries, a range of keys), written once for three vector widths (no Python here).
+ * ks_attention.h includes it once or twice:
+ *   vectors of 8 floats (ks_v8), one key each in the float scores (AVX2 and plain builds);
  *   vectors of 4 floats (ks_v4) on NEON, two to a key's 8 lane sums: GCC keeps 8-float
  *            vectors in memory on aarch64 wherever they live across a loop's iterations;
- *   vectors of 16 floats (ks_v16), two keys each in the scores, compiled for AVX512 and taken
- *            at run time where the CPU has it (ks_use_vnni).
+ *   vectors of 16 floats (ks_v16), two keys each in the float scores, compiled for AVX512 and
+ *            taken at run time where the CPU has it (ks_use_vnni).
+ * The int8 KV's scores are integer (ks_attn_scores.h, through KS_AV_KEYS and KS_AV_SCORES);
+ * the float scores here serve the vision tower's float keys (ks_vision.h).
  * What the includer defines: KS_AV (the vector type), KS_AP (keys a vector holds in the
- * scores: 1 or 2), KS_AH (vectors that hold one key's 8 lane sums: 1 or 2), KS_AV_LOAD(p),
- * KS_AV_STORE(p, v), KS_AV_SET1(x), KS_AV_QLOAD(p) (the 8 / KS_AH query floats at p in each
- * of the KS_AP parts), KS_AV_IN_REG(v) (as KS_IN_REG), KS_AV_SUMS (how many value sums fit
- * the registers), KS_AV_MAX(a, b), KS_AV_EXP(x), KS_AV_HMAX(v) (its largest float),
+ * float scores: 1 or 2), KS_AH (vectors that hold one key's 8 lane sums: 1 or 2),
+ * KS_AV_LOAD(p), KS_AV_STORE(p, v), KS_AV_SET1(x), KS_AV_QLOAD(p) (the 8 / KS_AH query floats
+ * at p in each of the KS_AP parts), KS_AV_IN_REG(v) (as KS_IN_REG), KS_AV_SUMS (how many value
+ * sums fit the registers), KS_AV_MAX(a, b), KS_AV_EXP(x), KS_AV_HMAX(v) (its largest float),
  * KS_AV_HSUM8(r, p, h) (r[i] = the pairwise sum of key slot i's 8 lane sums, part h, for the
  * 8 slots of p: p[KS_AH * i .. KS_AH * i + KS_AH)), KS_AS (an 8-lane sum) with
  * KS_AS_ZERO, KS_AS_ADD(s, v, c) (adds vector v, the c-th of a 16-float strip, in key order)
- * and KS_AS_HSUM(s) (as ks_v8_hsum), and KS_AN(name) (the name of this instantiation's
- * function); the end of this file undefines them.
+ * and KS_AS_HSUM(s) (as ks_v8_hsum), KS_AV_KEYS(kt, k, hd, nj) (prepares a block's nj int8
+ * keys k for the integer scores, or nothing), KS_AV_SCORES(QB, q8, qd, qsum, k, kt, hd, qn,
+ * qn_pad, sc, stride) (ks_attn_scores.h's scores of QB queries for the block's first qn keys,
+ * at least) and KS_AN(name) (the name of this instantiation's function); the end of this file
+ * undefines them.
  *
- * The arithmetic is the same for all: a score's lane sums are over d = e mod 8 whatever the
- * width (the wide vector holds two keys' 8 lane sums side by side, the narrow one half of
- * a key's), a value's output floats and the softmax's exp are each computed alone, and the
- * softmax's sum goes 8 lanes at a time in key order at every width. So they give the same
- * bits (tests/test_kernels.py checks 8 against 16, and every width against x86-64's recorded
- * results, as the A76 and the A72 under make test-arm64), and tiles of queries do too (the
- * arithmetic below is per query; tiles only decide how many queries share the loads of one K
- * or V vector: every score, weight and output float of a query is computed by the same
- * operations in the same order whatever tile, QB = 1, 2 or 4 queries, it is part of). */
+ * The arithmetic is the same for all: integer scores are exact whatever adds them, a float
+ * score's lane sums are over d = e mod 8 whatever the width (the wide vector holds two keys'
+ * 8 lane sums side by side, the narrow one half of a key's), a value's output floats and the
+ * softmax's exp are each computed alone, and the softmax's sum goes 8 lanes at a time in key
+ * order at every width. So they give the same bits (tests/test_kernels.py checks 8 against
+ * 16, and every width against x86-64's recorded results, as the A76 and the A72 under make
+ * test-arm64), and tiles of queries do too (the arithmetic below is per query; tiles only
+ * decide how many queries share the loads of one K or V vector: every score, weight and output
+ * float of a query is computed by the same operations in the same order whatever tile, QB = 1,
+ * 2 or 4 queries, it is part of). */
 
 /* sc[u * sc_stride + j] = q_u . k_j for the QB queries q (QB, hd) and keys j < n (n a multiple
  * of 16) of kf (the block's keys, KS_AP to a vector: key j's dims d..d+7 at
@@ -74,7 +80,7 @@ void KS_AN(ks_attn_scores)(const int QB, const float *restrict q, const float *r
 
 /* acc_u = acc_u * corr[u] + sum over keys j < n (n even) of w[u * w_stride + j] * v_j for the
  * QB queries (acc (QB, hd)), v = vf (n, hd): per output float, the even keys and the odd keys
- * go into two separate sums, added at the end. Dims go 8 * KS_AP * W at a time (hd a multiple
+ * go into two separate sums, added at the end. Dims go 8 * KS_AP / KS_AH * W at a time (hd a multiple
  * of it), QB * W * 2 <= KS_AV_SUMS sums in registers: enough chains to hide the FMA latency,
  * and each weight broadcast and V vector loaded serves W vectors of dims. */
 static inline __attribute__((always_inline))
@@ -127,7 +133,7 @@ float KS_AN(ks_attn_softmax_block)(float *restrict sc, int qn, int qn_pad,
                                    const float *restrict ks, const float *restrict vs,
                                    float *restrict m, float *restrict l)
 {
-    enum { L = 8 * KS_AP / KS_AH };
+    enum { L = 8 * KS_AP / KS_AH };     /* floats a vector */
     for (int j = 0; j < qn; j++)
         sc[j] *= ks[j];
     for (int j = qn; j < qn_pad; j++)
@@ -136,7 +142,8 @@ float KS_AN(ks_attn_softmax_block)(float *restrict sc, int qn, int qn_pad,
     for (int j = 0; j < qn_pad; j += L)
         vmax = KS_AV_MAX(vmax, KS_AV_LOAD(sc + j));
     const float mx = KS_AV_HMAX(vmax);
-    const float corr = expf(*m - mx);       /* 0 on the first block (m = -inf) */
+    /* 0 on the first block (m = -inf); exp(0) = 1 exactly, so a max that stays costs no exp */
+    const float corr = mx == *m ? 1.0f : expf(*m - mx);
     KS_AS vsum = KS_AS_ZERO;
     for (int j = 0; j < qn_pad; j += KS_ATTN_STRIP)
         for (int c = 0; c < KS_ATTN_STRIP / L; c++) {
@@ -157,7 +164,7 @@ void KS_AN(ks_attn_values_fit)(const int QB, const int w_max, float *restrict ac
                                const float *restrict corr, const float *restrict w,
                                int w_stride, const float *restrict vf, int hd, int n)
 {
-    enum { L = 8 * KS_AP / KS_AH };
+    enum { L = 8 * KS_AP / KS_AH };     /* floats a vector */
     if (w_max >= 8 && hd % (8 * L) == 0)
         KS_AN(ks_attn_values)(QB, 8, acc, corr, w, w_stride, vf, hd, n);
     else if (w_max >= 4 && hd % (4 * L) == 0)
@@ -168,18 +175,16 @@ void KS_AN(ks_attn_values_fit)(const int QB, const int w_max, float *restrict ac
         KS_AN(ks_attn_values)(QB, 1, acc, corr, w, w_stride, vf, hd, n);
 }
 
-/* The tile of QB queries starting at qs, acc, m, l, all with qn > 0 keys of the block
- * (kf (as ks_attn_scores reads it), vf (kv_bs, hd); ks, vs its scales); sc (QB, kv_bs),
- * corr (QB): scratch. */
+/* The softmax and values of a tile of QB queries whose raw scores for the block's first qn
+ * keys are in sc (QB, kv_bs): updates their m, l, acc; vf (kv_bs, hd) the block's V rows as
+ * float, ks, vs its scales; corr (QB): scratch. */
 static inline __attribute__((always_inline))
-void KS_AN(ks_attn_tile)(const int QB, int hd, const float *restrict qs, int qn,
-                         const float *restrict kf, const float *restrict ks,
-                         const float *restrict vf, const float *restrict vs, int kv_bs,
-                         float *restrict m, float *restrict l, float *restrict acc,
-                         float *restrict sc, float *restrict corr)
+void KS_AN(ks_attn_weigh)(const int QB, int hd, int qn, const float *restrict ks,
+                          const float *restrict vf, const float *restrict vs, int kv_bs,
+                          float *restrict m, float *restrict l, float *restrict acc,
+                          float *restrict sc, float *restrict corr)
 {
     const int qn_pad = (qn + KS_ATTN_STRIP - 1) / KS_ATTN_STRIP * KS_ATTN_STRIP;
-    KS_AN(ks_attn_scores)(QB, qs, kf, hd, qn_pad, sc, kv_bs);
     for (int u = 0; u < QB; u++)
         corr[u] = KS_AN(ks_attn_softmax_block)(sc + u * kv_bs, qn, qn_pad, ks, vs, m + u,
                                                l + u);
@@ -191,22 +196,56 @@ void KS_AN(ks_attn_tile)(const int QB, int hd, const float *restrict qs, int qn,
         KS_AN(ks_attn_values_fit)(1, KS_AV_SUMS / 2, acc, corr, sc, kv_bs, vf, hd, qn_pad);
 }
 
+/* The tile of QB float queries starting at qs, acc, m, l, all with qn > 0 keys of the block
+ * (kf (as ks_attn_scores reads it), vf (kv_bs, hd); ks, vs its scales); sc (QB, kv_bs),
+ * corr (QB): scratch. */
+static inline __attribute__((always_inline))
+void KS_AN(ks_attn_tile)(const int QB, int hd, const float *restrict qs, int qn,
+                         const float *restrict kf, const float *restrict ks,
+                         const float *restrict vf, const float *restrict vs, int kv_bs,
+                         float *restrict m, float *restrict l, float *restrict acc,
+                         float *restrict sc, float *restrict corr)
+{
+    const int qn_pad = (qn + KS_ATTN_STRIP - 1) / KS_ATTN_STRIP * KS_ATTN_STRIP;
+    KS_AN(ks_attn_scores)(QB, qs, kf, hd, qn_pad, sc, kv_bs);
+    KS_AN(ks_attn_weigh)(QB, hd, qn, ks, vf, vs, kv_bs, m, l, acc, sc, corr);
+}
+
+/* The same for QB int8 queries (their codes q8 (QB, 2 hd), scales qd and code sums qsum
+ * (QB, 2): ks_attn_quantize_query) against the block's int8 K rows k (kt: KS_AV_KEYS' form
+ * of them). */
+static inline __attribute__((always_inline))
+void KS_AN(ks_attn_tile_i8)(const int QB, int hd, const int8_t *restrict q8,
+                            const float *restrict qd, const int32_t *restrict qsum, int qn,
+                            const int8_t *restrict k, const int8_t *restrict kt,
+                            const float *restrict ks, const float *restrict vf,
+                            const float *restrict vs, int kv_bs, float *restrict m,
+                            float *restrict l, float *restrict acc, float *restrict sc,
+                            float *restrict corr)
+{
+    const int qn_pad = (qn + KS_ATTN_STRIP - 1) / KS_ATTN_STRIP * KS_ATTN_STRIP;
+    KS_AV_SCORES(QB, q8, qd, qsum, k, kt, hd, qn, qn_pad, sc, kv_bs);
+    KS_AN(ks_attn_weigh)(QB, hd, qn, ks, vf, vs, kv_bs, m, l, acc, sc, corr);
+}
+
 /* nq queries of one KV head against keys [k0, k1) of it, updating their online-softmax state.
- *   qs (nq, hd)   queries, already multiplied by the softmax scale
+ *   q8 (nq, 2 hd), qd (nq), qsum (nq, 2)   queries (times the softmax scale) as int8 codes,
+ *                 their scales and code sums (ks_attn_quantize_query)
  *   lim (nq)      query i sees keys <= lim[i] (causal)
  *   kq, vq (max_seq, hd), ks, vs (max_seq): this KV head's rows
  *   m, l (nq), acc (nq, hd): running max, running sum, unnormalized output (IN/OUT)
- *   kf, vf (kv_bs, hd), sc (KS_ATTN_QB, kv_bs), corr (KS_ATTN_QB): scratch
+ *   kt (kv_bs, hd) int8, vf (kv_bs, hd), sc (KS_ATTN_QB, kv_bs), corr (KS_ATTN_QB): scratch
  * Queries go in tiles of 4 (or 2) consecutive ones that see the same number of keys of the
  * block (all of it, except near the diagonal), else one by one. hd is a multiple of
  * KS_ATTN_STRIP and kv_bs a power of two >= KS_ATTN_STRIP (checked by the caller). Keys past
  * every query's limit are never read. */
-static void KS_AN(ks_attn_range)(int nq, int hd, const float *restrict qs,
+static void KS_AN(ks_attn_range)(int nq, int hd, const int8_t *restrict q8,
+                                 const float *restrict qd, const int32_t *restrict qsum,
                                  const int *restrict lim, const int8_t *restrict kq,
                                  const float *restrict ks, const int8_t *restrict vq,
                                  const float *restrict vs, int k0, int k1, int kv_bs,
                                  float *restrict m, float *restrict l, float *restrict acc,
-                                 float *restrict kf, float *restrict vf, float *restrict sc,
+                                 int8_t *restrict kt, float *restrict vf, float *restrict sc,
                                  float *restrict corr)
 {
     enum { S = KS_ATTN_STRIP };
@@ -217,33 +256,23 @@ static void KS_AN(ks_attn_range)(int nq, int hd, const float *restrict qs,
     for (int j0 = k0; j0 < kend; j0 += kv_bs) {
         const int nj = kend - j0 < kv_bs ? kend - j0 : kv_bs;
         const int nj_pad = (nj + S - 1) / S * S;
-        /* the block as float: V rows as they are, K rows KS_AP to a vector (ks_attn_scores);
-           rows past nj are zero so whole strips can be used */
-        ks_f32_of_i8(vf, vq + (int64_t)j0 * hd, (int64_t)nj * hd);
-        const int run = KS_AP == 1 ? hd : 8;    /* floats of a key K lies contiguously in kf */
-        /* keys of the next block: each key's K and V rows are asked for as this block's key
+        const int8_t *kb = kq + (int64_t)j0 * hd;
+        /* the block's V rows as float (rows past nj zero, so whole strips can be used), and
+           the next block's keys: each key's K and V rows are asked for as this block's V row
            of the same index is converted, so the requests go out spread over the block (a
-           long context's KV is read once per token, like the weights, and the blocks are
-           too short for the hardware prefetcher to get ahead) */
+           long context's KV is read once per token, like the weights, and the blocks are too
+           short for the hardware prefetcher to get ahead) */
         const int next_n = kend - j0 - kv_bs < kv_bs ? kend - j0 - kv_bs : kv_bs;
         for (int j = 0; j < nj; j++) {
-            const int8_t *kr = kq + (int64_t)(j0 + j) * hd;
             if (j < next_n) {
-                ks_prefetch_rows((const uint8_t *)(kr + (int64_t)kv_bs * hd), hd, 0);
+                ks_prefetch_rows((const uint8_t *)(kb + (int64_t)(kv_bs + j) * hd), hd, 0);
                 ks_prefetch_rows((const uint8_t *)(vq + (int64_t)(j0 + kv_bs + j) * hd), hd, 0);
             }
-            float *kd = kf + (int64_t)(j - j % KS_AP) * hd + 8 * (j % KS_AP);
-            for (int d = 0; d < hd; d += run)
-                ks_f32_of_i8(kd + KS_AP * d, kr + d, run);
+            ks_f32_of_i8(vf + (int64_t)j * hd, vq + (int64_t)(j0 + j) * hd, hd);
         }
         for (int64_t e = (int64_t)nj * hd; e < (int64_t)nj_pad * hd; e++)
             vf[e] = 0.0f;
-        for (int j = nj; j < nj_pad; j++) {
-            float *kd = kf + (int64_t)(j - j % KS_AP) * hd + 8 * (j % KS_AP);
-            for (int d = 0; d < hd; d += 8)
-                for (int e = 0; e < 8; e++)
-                    kd[KS_AP * d + e] = 0.0f;
-        }
+        KS_AV_KEYS(kt, kb, hd, nj);
 
         for (int i = 0; i < nq;) {
             int qn[KS_ATTN_QB] = {0};
@@ -259,15 +288,16 @@ static void KS_AN(ks_attn_range)(int nq, int hd, const float *restrict qs,
                 qb++;
             qb = qb >= 4 ? 4 : qb >= 2 ? 2 : 1;
             const int64_t o = (int64_t)i * hd;
+#define KS_ATTN_TILE(QB) KS_AN(ks_attn_tile_i8)(QB, hd, q8 + 2 * o, qd + i, qsum + 2 * i,   \
+                                             qn[0], kb, kt, ks + j0, vf, vs + j0, kv_bs, m + i, \
+                                             l + i, acc + o, sc, corr)
             if (qb == 4)
-                KS_AN(ks_attn_tile)(4, hd, qs + o, qn[0], kf, ks + j0, vf, vs + j0, kv_bs, m + i,
-                                    l + i, acc + o, sc, corr);
+                KS_ATTN_TILE(4);
             else if (qb == 2)
-                KS_AN(ks_attn_tile)(2, hd, qs + o, qn[0], kf, ks + j0, vf, vs + j0, kv_bs, m + i,
-                                    l + i, acc + o, sc, corr);
+                KS_ATTN_TILE(2);
             else
-                KS_AN(ks_attn_tile)(1, hd, qs + o, qn[0], kf, ks + j0, vf, vs + j0, kv_bs, m + i,
-                                    l + i, acc + o, sc, corr);
+                KS_ATTN_TILE(1);
+#undef KS_ATTN_TILE
             i += qb;
         }
     }
@@ -291,4 +321,6 @@ static void KS_AN(ks_attn_range)(int nq, int hd, const float *restrict qs,
 #undef KS_AS_ZERO
 #undef KS_AS_ADD
 #undef KS_AS_HSUM
+#undef KS_AV_KEYS
+#undef KS_AV_SCORES
 #undef KS_AN

@@ -110,6 +110,9 @@ typedef struct {
     int8_t *xq;                       /* (max_chunk, hidden) */
     int16_t *xh;                      /* (max_chunk, hidden/16): xq's half sums */
     float *q, *k, *v, *att, *proj;    /* (max_chunk, q_dim | kv_dim | kv_dim | q_dim | hidden) */
+    int8_t *q8;                       /* (max_chunk, n_heads, 2 hd): q for the integer scores */
+    float *qd;                        /* (max_chunk, n_heads) */
+    int32_t *qsum;                    /* (max_chunk, n_heads, 2) */
     float *gate, *up;                 /* (max_chunk, ffn) */
     int8_t *sq;                       /* Q8_0 of att (q_dim), then of swiglu (ffn): (max_chunk, widest) */
     float *sd;                        /* (max_chunk, widest/32) */
@@ -178,6 +181,9 @@ static int64_t ks_scratch_layout(ks_scratch *S, char *base, const ks_model *M, i
     S->xn = ks_carve(base, cur, T * H, 4);
     ks_carve_q8(base, cur, T, H, &S->xq, &S->xd, &S->xh);
     S->q = ks_carve(base, cur, T * q_dim, 4);
+    S->q8 = ks_carve(base, cur, T * 2 * q_dim, 1);
+    S->qd = ks_carve(base, cur, T * M->n_heads, 4);
+    S->qsum = ks_carve(base, cur, T * M->n_heads * 2, 4);
     S->k = ks_carve(base, cur, T * kv_dim, 4);
     S->v = ks_carve(base, cur, T * kv_dim, 4);
     S->att = ks_carve(base, cur, T * q_dim, 4);
@@ -333,18 +339,20 @@ static inline int ks_residual_step(ks_walk *w, const ks_model *M, const ks_scrat
 }
 
 /* Token t's part of head item h < n_heads + 2 n_kv (ks_phase_qkv): q/k norm and RoPE of
- * query head h, or of K head h - n_heads and its row into the arena, or V head
- * h - n_heads - n_kv's row into the arena. */
+ * query head h and its codes for the attention's integer scores, or of K head h - n_heads
+ * and its row into the arena, or V head h - n_heads - n_kv's row into the arena. */
 static inline void ks_head_item(const ks_model *M, const ks_layer *L, const ks_kv *kv, int li,
                                 const ks_scratch *S, const ks_batch *B, int t, int h)
 {
     const int hd = M->hd, nh = M->n_heads, nkv = M->n_kv;
     const float *ct = B->rope_cos + (int64_t)t * (hd / 2), *st = B->rope_sin + (int64_t)t * (hd / 2);
     if (h < nh) {
-        float *qh = S->q + ((int64_t)t * nh + h) * hd;
+        const int64_t r = (int64_t)t * nh + h;
+        float *qh = S->q + r * hd;
         if (L->q_norm)
             ks_rmsnorm_row(qh, L->q_norm, M->eps, qh, hd);
         ks_rope_row(qh, ct, st, hd, M->neox);
+        ks_attn_quantize_row(qh, M->scale, hd, S->q8 + 2 * r * hd, S->qd + r, S->qsum + 2 * r);
         return;
     }
     const int g = (h - nh) % nkv;
@@ -416,8 +424,8 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
         const int n_seg = ks_attn_segments(B->pos0 + n, kv->kv_bs);
         const int64_t pf = ks_attn_part_floats(n * G, hd);
         KS_EACH_ITEM(w, nkv * n_seg, it)
-            ks_attn_split_item(S->q, kq, ks, vq, vs, S->attn_parts + it * pf, nh, nkv, hd,
-                               kv->max_seq, B->pos0, n, M->scale, kv->kv_bs, it % n_seg,
+            ks_attn_split_item(S->q8, S->qd, S->qsum, kq, ks, vq, vs, S->attn_parts + it * pf,
+                               nh, nkv, hd, kv->max_seq, B->pos0, n, kv->kv_bs, it % n_seg,
                                it / n_seg, scratch);
         if (!ks_phase_end(w))
             return 0;
@@ -433,8 +441,8 @@ static inline int ks_phases_attention(ks_walk *w, const ks_model *M, const ks_kv
         int tile[3] = {0, 0, 0};
         ks_attn_tiles_of(B, n_tiles - 1 - it / nkv, tile);
         const int t0 = tile[0], t1 = tile[1], g = it % nkv;
-        ks_attn_prefill_item(S->q, kq, ks, vq, vs, S->att, nh, nkv, hd, kv->max_seq, B->pos0,
-                             tile[2], M->scale, kv->kv_bs, t0, t1, g, scratch);
+        ks_attn_prefill_item(S->q8, S->qd, S->qsum, kq, ks, vq, vs, S->att, nh, nkv, hd,
+                             kv->max_seq, B->pos0, tile[2], kv->kv_bs, t0, t1, g, scratch);
         for (int t = t0; t < t1; t++)
             for (int h = g * G; h < g * G + G; h++) {
                 const int64_t o = ((int64_t)t * nh + h) * hd;

@@ -30,15 +30,18 @@ cdef extern from "ks_attention.h" nogil:
     int64_t ks_attn_part_floats(int nq, int hd)
     int ks_attn_segments(int ctx, int kv_bs)
     int ks_set_attn_tiles(int on)
-    void ks_attn_prefill_item(const float *q, const int8_t *kq, const float *ks,
-                              const int8_t *vq, const float *vs, float *out,
-                              int n_heads, int n_kv, int hd, int max_seq, int pos0,
-                              int kfirst, float scale, int kv_bs, int t0, int t1, int g,
-                              float *scratch)
-    void ks_attn_split_item(const float *q, const int8_t *kq, const float *ks,
-                            const int8_t *vq, const float *vs, float *part,
-                            int n_heads, int n_kv, int hd, int max_seq, int pos0, int n,
-                            float scale, int kv_bs, int c, int g, float *scratch)
+    void ks_attn_quantize_row(const float *q, float scale, int hd, int8_t *q8, float *qd,
+                              int32_t *qsum)
+    void ks_attn_prefill_item(const int8_t *q8, const float *qd, const int32_t *qsum,
+                              const int8_t *kq, const float *ks, const int8_t *vq,
+                              const float *vs, float *out, int n_heads, int n_kv, int hd,
+                              int max_seq, int pos0, int kfirst, int kv_bs, int t0, int t1,
+                              int g, float *scratch)
+    void ks_attn_split_item(const int8_t *q8, const float *qd, const int32_t *qsum,
+                            const int8_t *kq, const float *ks, const int8_t *vq,
+                            const float *vs, float *part, int n_heads, int n_kv, int hd,
+                            int max_seq, int pos0, int n, int kv_bs, int c, int g,
+                            float *scratch)
     void ks_attn_split_merge(const float *parts, float *out, int n_heads, int n_kv, int hd,
                              int n, int n_seg, int t, int h)
 

@@ -69,6 +69,18 @@ def int8_round_heads(x: np.ndarray) -> np.ndarray:
     return q.astype(np.float64) * s.astype(np.float64)
 
 
+def int16_round_heads(x: np.ndarray) -> np.ndarray:
+    """A query head as the attention's integer scores take it: int8 codes hi as the KV
+    cache's (scale s), and the rest lo = roundf((x/s - hi) * 254), so x' = s * (hi + lo/254)."""
+    x = np.asarray(x, np.float32)
+    s = np.abs(x).max(axis=-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.where(s == 0, np.float32(0), x / s).astype(np.float32)
+    hi = round_half_away(v)
+    lo = round_half_away((v - hi) * np.float32(254))
+    return (hi.astype(np.float64) + lo / 254) * s.astype(np.float64)
+
+
 # ---------------------------------------------------------------- blocks
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -149,7 +161,8 @@ def forward(weights: dict[str, np.ndarray], config: dict, ids, *, kv_int8: bool 
             normed_rows: bool = False) -> np.ndarray:
     """Logits (n_tokens, vocab) float64 for token ids at positions 0..n-1.
 
-    kv_int8: round K (after norm and RoPE) and V through the int8 KV cache.
+    kv_int8: round K (after norm and RoPE) and V through the int8 KV cache, and each query
+    head to the 15 bits the attention's integer scores take (int16_round_heads).
     act_q8: round each matmul's input through Q8_0 with a float32 scale (what the engine's
     Q8_0 x Q8_0 product sees). Activation rounding is discontinuous: a last-bit difference
     upstream redraws it, so this is the same arithmetic, not the same numbers, as the engine's.
@@ -182,8 +195,8 @@ def forward(weights: dict[str, np.ndarray], config: dict, ids, *, kv_int8: bool 
             q = rms_norm(q, W(p + "self_attn.q_norm.weight"), eps)
             k = rms_norm(k, W(p + "self_attn.k_norm.weight"), eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_int8:
-            k, v = int8_round_heads(k), int8_round_heads(v)
+        if kv_int8:   # and the query as the attention's integer scores take it
+            q, k, v = int16_round_heads(q), int8_round_heads(k), int8_round_heads(v)
         x = x + linear(causal_gqa_attention(q, k, v), p + "self_attn.o_proj.weight")
         h = rms_norm(x, W(p + "post_attention_layernorm.weight"), eps)
         if is_moe_layer(config, i):
