@@ -6,17 +6,22 @@ prompt lookup on the same file and threads, and what a pass over k tokens costs.
 
 Tasks, on SmolLM2-135M-Instruct (a real model, so its drafts are taken or refused for real;
 `--model`, default llama.cpp's Q4_K_M of it where llama-cpp-python is installed, else the
-Q8_0), each a chat prompt answered greedily up to `--max-tokens`:
-  grounded: quote a paragraph, edit it (one word changed), summarize a ~600-token text, answer
-  a question about a ~2,000-token document, and a second chat turn that asks the model to
-  repeat its first answer with a title; open: a story.
+Q8_0), each a few chat prompts answered greedily up to `--max-tokens`:
+  grounded: quote a paragraph (two paragraphs), edit it, one word changed (two), summarize a
+  ~600-token text (two texts), answer a question about a ~2,000-token document (three
+  questions, two documents), and a second chat turn that asks the model to repeat its first
+  answer with a title (two); open: a story and a poem.
+A task has several prompts because one greedy answer is a draw: a last-bit change anywhere
+upstream (a kernel's rounding) can turn a summary that quotes its text into one that does
+not, and the task's ratio with it.
 Decode speed counts the tokens after the first over the time from the first to the last
 (the prefill is not in it), for both engines. Kestrel runs in-process (`Engine`, its own
 prefill each run); its answers with and without speculation are asserted to be the same ids.
-Each rep runs Kestrel with speculation and then without, back to back, and a task's on / off
+Each rep runs Kestrel with speculation and then without, back to back, and a prompt's on / off
 is the median of those reps' ratios (a VM's speed drifts over minutes; a pair takes seconds);
-the tok/s columns are medians. llama.cpp runs after all of Kestrel's reps of the task, so
-that its threads never share the cores with Kestrel's.
+a task's is the geometric mean over its prompts, as are its tok/s columns (each a median).
+llama.cpp runs after all of Kestrel's reps of a prompt, so that its threads never share the
+cores with Kestrel's.
 llama.cpp runs through llama-cpp-python's `generate` on the same prompt ids, plainly and with
 `LlamaPromptLookupDecoding` (its prompt lookup: 2-grams, 10 tokens drafted), greedy.
 
@@ -57,29 +62,46 @@ PARAGRAPH = ("The lighthouse keeper climbed the stairs every evening at dusk. He
              "the bell every two minutes until morning.")
 
 
+PARAGRAPH_2 = ("The baker in the harbour village lit her oven two hours before dawn. She "
+               "shaped the loaves by hand, brushed them with milk, and set them on long wooden "
+               "boards to rise beside the fire. When the first ferry came in, the crew bought "
+               "warm bread and smoked fish for the crossing. On Sundays she baked only seed "
+               "cake, and the whole village could smell it from the church.")
+
+
 @dataclass
 class Task:
     name: str
     grounded: bool
-    messages: tuple          # the chat's messages; a None content is the model's first answer
+    prompts: tuple           # chats, each a tuple of messages; a None content is the model's
+                             # first answer
+
+
+def _user(text: str) -> tuple:
+    return ({"role": "user", "content": text},)
 
 
 def tasks(count_tokens) -> list:
-    doc = tide_gauge_manual(2000, count_tokens)
-    text = island_guide(600, count_tokens).text
+    """The tasks, each with a few prompts: one greedy answer is a draw (a last-bit change
+    upstream can turn a summary that quotes into one that does not), several make its mean."""
+    manual, guide = tide_gauge_manual(2000, count_tokens), island_guide(2000, count_tokens)
+    texts = (island_guide(600, count_tokens).text, tide_gauge_manual(600, count_tokens).text)
+    edits = ((PARAGRAPH, "evening", "morning"), (PARAGRAPH_2, "Sundays", "Saturdays"))
     return [
-        Task("quote", True, ({"role": "user", "content": f"{PARAGRAPH}\n\nQuote the text above "
-                              "exactly, word for word."},)),
-        Task("edit", True, ({"role": "user", "content": "Rewrite this paragraph, changing "
-                             f"'evening' to 'morning' and nothing else:\n\n{PARAGRAPH}"},)),
-        Task("summarize", True, ({"role": "user", "content": f"{text}\n\nSummarize this text."},)),
-        Task("document QA", True, ({"role": "user", "content": f"{doc.text}\n\n{doc.question}"},)),
-        Task("multi-turn", True, ({"role": "user", "content": f"Tell me about this:\n\n{PARAGRAPH}"},
-                                  {"role": "assistant", "content": None},
-                                  {"role": "user", "content": "Repeat your answer, word for word, "
-                                   "under a title."})),
-        Task("open chat", False, ({"role": "user", "content": "Write a short story about a fox "
-                                   "and a crow."},)),
+        Task("quote", True, tuple(_user(f"{p}\n\nQuote the text above exactly, word for word.")
+                                  for p in (PARAGRAPH, PARAGRAPH_2))),
+        Task("edit", True, tuple(_user(f"Rewrite this paragraph, changing '{a}' to '{b}' and "
+                                       f"nothing else:\n\n{p}") for p, a, b in edits)),
+        Task("summarize", True, tuple(_user(f"{t}\n\nSummarize this text.") for t in texts)),
+        Task("document QA", True, tuple(_user(f"{d.text}\n\n{q}") for d, q in (
+            (manual, manual.question), (manual, manual.follow_up), (guide, guide.question)))),
+        Task("multi-turn", True, tuple(
+            ({"role": "user", "content": f"Tell me about this:\n\n{p}"},
+             {"role": "assistant", "content": None},
+             {"role": "user", "content": "Repeat your answer, word for word, under a title."})
+            for p in (PARAGRAPH, PARAGRAPH_2))),
+        Task("open chat", False, (_user("Write a short story about a fox and a crow."),
+                                  _user("Write a short poem about the sea."))),
     ]
 
 
@@ -121,10 +143,10 @@ class Kestrel:
         self.log = PassLog(self.engines[True].forward)
         self.engines[True].forward = self.log
 
-    def prompt(self, task: Task, max_tokens: int) -> list:
-        """The task's prompt ids; a None message is the model's own first answer."""
+    def prompt(self, chat: tuple, max_tokens: int) -> list:
+        """A chat's prompt ids; a None message is the model's own first answer."""
         e, msgs = self.engines[False], []
-        for m in task.messages:
+        for m in chat:
             if m["content"] is None:
                 ids = e.prompt(ChatInput(tuple(msgs))).ids
                 e.kv.truncate(0)
@@ -210,7 +232,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None, help="the SmolLM2 GGUF (default: Q4_K_M or Q8_0)")
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3, help="runs of each prompt, each engine")
     ap.add_argument("--shapes", default="qwen3-1.7b:Q4_K_M,qwen3moe:Q4_K_M",
                     help="random-weight shapes for the k-cost curve (bench/common.py)")
     ap.add_argument("--quick", action="store_true", help="two tasks, short answers, no shapes")
@@ -230,41 +252,52 @@ def main(argv=None) -> int:
              "lookup": LlamaCpp(path, args.threads, True)} if have_llama else {}
     rows, grounded_passes, grounded_tokens = [], [], 0
     for task in todo:
-        ids = k.prompt(task, args.max_tokens)
-        speeds = {name: [] for name in ("on", "off", *llama)}
-        paired = []         # on / off of each rep: the two runs are back to back
-        for rep in range(args.reps):
-            on, on_s, passes = k.answer(ids, True, args.max_tokens)
-            off, off_s, _ = k.answer(ids, False, args.max_tokens)
-            assert on.ids == off.ids, f"{task.name}: speculation changed the answer"
-            speeds["on"].append(on_s)
-            speeds["off"].append(off_s)
-            paired.append(on_s / off_s)
-        # after Kestrel's runs: llama.cpp's threads never share the cores with them
-        for rep in range(args.reps):
-            for name, runner in llama.items():
-                speeds[name].append(runner.answer(ids, args.max_tokens)[1])
-        med = {name: statistics.median(v) for name, v in speeds.items()}
-        per_pass = len(on.ids) / max(len(passes) + 1, 1)
-        rows.append((task, len(ids), len(on.ids), on.accepted_tokens, on.drafted_tokens,
-                     per_pass, med, statistics.median(paired)))
-        if task.grounded:
-            grounded_passes += passes
-            grounded_tokens += len(on.ids) - 1
-        print(f"  {task.name}: {len(ids)} prompt tokens, {len(on.ids)} generated, "
-              f"{on.accepted_tokens}/{on.drafted_tokens} drafts taken, "
-              + ", ".join(f"{n} {v:.1f}" for n, v in med.items()) + " tok/s", flush=True)
+        runs = []           # per prompt: its numbers
+        for chat in task.prompts:
+            ids = k.prompt(chat, args.max_tokens)
+            speeds = {name: [] for name in ("on", "off", *llama)}
+            paired = []     # on / off of each rep: the two runs are back to back
+            for rep in range(args.reps):
+                on, on_s, passes = k.answer(ids, True, args.max_tokens)
+                off, off_s, _ = k.answer(ids, False, args.max_tokens)
+                assert on.ids == off.ids, f"{task.name}: speculation changed the answer"
+                speeds["on"].append(on_s)
+                speeds["off"].append(off_s)
+                paired.append(on_s / off_s)
+            # after Kestrel's runs: llama.cpp's threads never share the cores with them
+            for rep in range(args.reps):
+                for name, runner in llama.items():
+                    speeds[name].append(runner.answer(ids, args.max_tokens)[1])
+            med = {name: statistics.median(v) for name, v in speeds.items()}
+            runs.append(dict(prompt=len(ids), answer=len(on.ids), taken=on.accepted_tokens,
+                             drafted=on.drafted_tokens, passes=len(passes) + 1, med=med,
+                             ratio=statistics.median(paired)))
+            if task.grounded:
+                grounded_passes += passes
+                grounded_tokens += len(on.ids) - 1
+            print(f"  {task.name}: {len(ids)} prompt tokens, {len(on.ids)} generated, "
+                  f"{on.accepted_tokens}/{on.drafted_tokens} drafts taken, on / off "
+                  f"{runs[-1]['ratio']:.2f}x, " + ", ".join(f"{n} {v:.1f}" for n, v in med.items())
+                  + " tok/s", flush=True)
+        rows.append((task, runs))
 
-    print("\n| task | prompt | answer | drafts taken | tokens / pass | Kestrel on | off | on / off |"
-          + (" llama.cpp | + lookup | on / lookup |" if llama else ""))
-    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if llama else ""))
+    print("\nEach task's speeds and ratios are geometric means over its prompts; a prompt's "
+          "on / off is the median of its reps' paired ratios.")
+    print("\n| task | prompts | prompt tokens | answer tokens | drafts taken | tokens / pass | "
+          "Kestrel on | off | on / off |" + (" llama.cpp | + lookup | on / lookup |" if llama else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if llama else ""))
     ratios = {"grounded": [], "open": [], "vs_lookup": []}
-    for task, n_prompt, n_gen, acc, drafted, per_pass, med, r in rows:
+    for task, runs in rows:
+        r = geomean([x["ratio"] for x in runs])
+        med = {n: geomean([x["med"][n] for x in runs]) for n in runs[0]["med"]}
         ratios["grounded" if task.grounded else "open"].append(r)
-        line = (f"| {task.name} | {n_prompt} | {n_gen} | {acc} / {drafted} | {per_pass:.2f} | "
-                f"{med['on']:.1f} | {med['off']:.1f} | {r:.2f}x |")
+        per_pass = sum(x["answer"] for x in runs) / sum(x["passes"] for x in runs)
+        line = (f"| {task.name} | {len(runs)} | {'/'.join(str(x['prompt']) for x in runs)} | "
+                f"{sum(x['answer'] for x in runs)} | {sum(x['taken'] for x in runs)} / "
+                f"{sum(x['drafted'] for x in runs)} | {per_pass:.2f} | {med['on']:.1f} | "
+                f"{med['off']:.1f} | {r:.2f}x |")
         if llama:
-            vs = med["on"] / med["lookup"]
+            vs = geomean([x["med"]["on"] / x["med"]["lookup"] for x in runs])
             if task.grounded:
                 ratios["vs_lookup"].append(vs)
             line += f" {med['plain']:.1f} | {med['lookup']:.1f} | {vs:.2f}x |"
