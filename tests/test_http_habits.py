@@ -211,8 +211,10 @@ def test_responses_stream_event_sequence(sdk):
     assert events[-1].response.output_text == whole.output_text
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     # an answer that ends before the limit: response.completed, which the SDK's stream
-    # helper needs (it has no final response after response.incomplete)
-    ask = QUESTION[0]["content"]
+    # helper needs (it has no final response after response.incomplete). Asked for one
+    # sentence: SmolLM2's greedy answer to the bare question starts with a near tie (top-2
+    # logits 0.02 apart) and may run on past the limit.
+    ask = QUESTION[0]["content"] + " Answer in one sentence."
     whole = sdk.responses.create(model=MODEL, input=ask, max_output_tokens=64)
     with sdk.responses.stream(model=MODEL, input=ask, max_output_tokens=64) as stream:
         text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
